@@ -19,8 +19,4 @@ setup(
         "gpu": ["torch", "megatron-core==0.16.1", "transformer-engine[pytorch]", "sglang==0.5.23"],
         "test": ["pytest", "hypothesis"],
     },
-    entry_points={
-        # SGLang loads these in every scheduler process (see sglang_patches/).
-        "sglang.srt.plugins": ["tide_ctb = sglang_patches.plugin:load"],
-    },
 )
