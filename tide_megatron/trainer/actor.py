@@ -1,0 +1,193 @@
+"""The Megatron actor (trained) and the frozen reference, both loaded from one HF checkpoint.
+
+The actor is a Megatron GPTModel wrapped in Megatron DDP, with `get_megatron_optimizer`, trained
+by `get_forward_backward_func` over a list of micro-batches. The GRPO loss is returned per
+micro-batch as (sum, tokens, metrics) with `calculate_per_token_loss=True`, so the step's
+gradient is that of the token mean over all micro-batches and DP ranks.
+
+With `TrainerConfig.loss_in_backward`, the loss function does not read the reference log-probs in
+the forward pass; it wraps them in a pending handle that the backward pass waits on (RA2P's
+decoupled mode, see `loss_in_backward.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from tide_megatron.models.config import ModelConfig
+from tide_megatron.models.megatron_gpt import build_gpt_model
+from tide_megatron.models.weight_conversion import load_hf_into_megatron, megatron_to_hf, unwrap_model
+from tide_megatron.trainer.batch import MicroBatch
+from tide_megatron.trainer.config import TrainerConfig
+from tide_megatron.trainer.grpo_loss import grpo_loss
+from tide_megatron.trainer.logprobs import forward_logprobs
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ReferenceModel:
+    """A frozen GPTModel: forward-only per-token log-probs for the KL penalty."""
+
+    def __init__(self, model_cfg: ModelConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False):
+        self.model_cfg = model_cfg
+        self.model = build_gpt_model(model_cfg, bf16=bf16)
+        load_hf_into_megatron(self.model, hf_checkpoint_dir, model_cfg)
+        self.model.eval()
+        for param in self.model.parameters():
+            param.requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """Reference log-probs of a micro-batch. # [B, T]"""
+        mb = micro_batch.to(_device())
+        return forward_logprobs(self.model, mb.token_ids, mb.position_ids)
+
+    def attach_logprobs(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """Fill `ref_logprobs` of each micro-batch in place (colocated mode); returns them."""
+        for mb in micro_batches:
+            mb.ref_logprobs = self.logprobs(mb).to(mb.token_ids.device)
+        return micro_batches
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (token means are over the whole step)."""
+
+    loss: float
+    pg_loss: float
+    kl: float
+    clip_frac: float
+    num_tokens: int
+    grad_norm: float | None
+    update_successful: bool
+    step: int
+
+
+class MegatronActor:
+    """The trained policy: Megatron GPTModel + DDP + Megatron optimizer."""
+
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig,
+                 hf_checkpoint_dir: str | os.PathLike):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.model_cfg = model_cfg
+        self.cfg = trainer_cfg
+        self.step = 0
+        model = build_gpt_model(model_cfg, bf16=trainer_cfg.bf16)
+        # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
+        load_hf_into_megatron(model, hf_checkpoint_dir, model_cfg)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=trainer_cfg.lr, min_lr=trainer_cfg.lr,
+                weight_decay=trainer_cfg.weight_decay, adam_beta1=trainer_cfg.adam_beta1,
+                adam_beta2=trainer_cfg.adam_beta2, adam_eps=trainer_cfg.adam_eps,
+                clip_grad=trainer_cfg.clip_grad, bf16=trainer_cfg.bf16,
+                params_dtype=torch.bfloat16 if trainer_cfg.bf16 else torch.float32,
+                use_distributed_optimizer=False),
+            [self.model])
+        # Megatron's schedule reads these hooks from the model config.
+        config = model.config
+        config.calculate_per_token_loss = True  # token mean over the step, across DP
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel (for conversion and checkpointing)."""
+        return unwrap_model(self.model)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """Current-policy log-probs of a micro-batch, no gradient. # [B, T]"""
+        mb = micro_batch.to(_device())
+        return forward_logprobs(self.model, mb.token_ids, mb.position_ids)
+
+    # ---- one optimizer step ------------------------------------------------------------
+
+    def _loss_func(self, mb: MicroBatch, logprobs: torch.Tensor):
+        ref = mb.ref_logprobs if self.cfg.kl_coef != 0.0 else None
+        if self.cfg.loss_in_backward:
+            from tide_megatron.trainer.loss_in_backward import deferred_grpo_loss
+
+            return deferred_grpo_loss(logprobs, mb, self.cfg)
+        return grpo_loss(logprobs, mb.old_logprobs, mb.advantages, ref, mb.loss_mask, self.cfg)
+
+    def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+        mb = next(data_iterator).to(_device())
+        logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids)  # [B, T]
+        return logprobs, partial(self._loss_func, mb)
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """Forward + backward every micro-batch, then one optimizer step.
+
+        With `kl_coef != 0` and the ordinary loss, each micro-batch needs `ref_logprobs`
+        (`ReferenceModel.attach_logprobs`); with `loss_in_backward`, `ref_logprobs` may instead
+        be a pending handle (`loss_in_backward.PendingLogprobs`) resolved during backward.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        if self.cfg.kl_coef != 0.0 and any(mb.ref_logprobs is None for mb in micro_batches):
+            raise ValueError("kl_coef != 0: every micro-batch needs ref_logprobs (or a pending handle)")
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward_backward = get_forward_backward_func()
+        max_len = max(mb.token_ids.shape[1] for mb in micro_batches)
+        reports = forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max_len,  # unused without pipeline parallelism
+            micro_batch_size=micro_batches[0].token_ids.shape[0],
+            forward_only=False,
+        )
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        totals = self._reduce_reports(reports)
+        count = max(totals["loss"][1], 1.0)
+        return StepResult(
+            loss=totals["loss"][0] / count, pg_loss=totals["pg_loss"][0] / count,
+            kl=totals["kl"][0] / count, clip_frac=totals["clip_frac"][0] / count,
+            num_tokens=int(totals["loss"][1]),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            update_successful=bool(update_successful), step=self.step)
+
+    @staticmethod
+    def _reduce_reports(reports: list[dict[str, torch.Tensor]]) -> dict[str, list[float]]:
+        """Sum [sum, count] metric pairs over micro-batches, then over the DP group."""
+        from megatron.core import parallel_state
+
+        keys = sorted(reports[0]) if reports else ["clip_frac", "kl", "loss", "pg_loss"]
+        stacked = torch.zeros(len(keys), 2, dtype=torch.float64)
+        for report in reports:
+            for i, key in enumerate(keys):
+                stacked[i] += report[key].detach().to("cpu", torch.float64)
+        if torch.distributed.is_initialized():
+            dp_group = parallel_state.get_data_parallel_group()
+            if torch.distributed.get_world_size(dp_group) > 1:
+                buf = stacked.to(_device())
+                torch.distributed.all_reduce(buf, group=dp_group)
+                stacked = buf.cpu()
+        return {key: stacked[i].tolist() for i, key in enumerate(keys)}
+
+    # ---- weights out -------------------------------------------------------------------
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, gathered over TP (collective: every TP rank must iterate)."""
+        return megatron_to_hf(self.model, self.model_cfg)

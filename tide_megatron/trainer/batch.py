@@ -1,0 +1,105 @@
+"""Trainer inputs: one trajectory, and padded micro-batches of them.
+
+Layout choice: padding, not packing. Each micro-batch is right-padded to its own longest
+trajectory (rounded up to `pad_to_multiple_of`). With a causal mask, right padding never changes
+the log-probs of real tokens, so no per-sequence mask or position reset is needed, the same
+explicit causal mask serves every row, and Megatron's local attention (which takes one mask) works
+on CPU and GPU alike. Padding waste is bounded by grouping trajectories of similar length (the
+RA2P planner orders them; `pack_micro_batches` keeps its order).
+
+Alignment: position t of `token_ids` carries log p(token_ids[t] | token_ids[:t]); position 0 has
+no prediction, so its loss mask must be 0 (it is a prompt token anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    """One finished multi-turn rollout, flattened to tokens."""
+
+    token_ids: torch.Tensor  # [T] int64: prompt, actions and observations, in order
+    loss_mask: torch.Tensor  # [T] bool/float: 1 on tokens the policy generated, 0 on prompt/env
+    old_logprobs: torch.Tensor  # [T] float32: rollout policy log-probs (0 where loss_mask is 0)
+    advantage: float  # group-normalised: (r - mean(r_group)) / std(r_group)
+    ref_logprobs: torch.Tensor | None = None  # [T] float32, filled by the reference when needed
+
+    def __post_init__(self) -> None:
+        n = self.token_ids.numel()
+        if self.loss_mask.numel() != n or self.old_logprobs.numel() != n:
+            raise ValueError("token_ids, loss_mask and old_logprobs must have the same length")
+        if n and bool(self.loss_mask.reshape(-1)[0]):
+            raise ValueError("loss_mask[0] must be 0: the first token has no prediction")
+
+    def __len__(self) -> int:
+        return self.token_ids.numel()
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded trajectories; padding has loss_mask 0."""
+
+    token_ids: torch.Tensor  # [B, T] int64, pad id 0
+    position_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] float32
+    old_logprobs: torch.Tensor  # [B, T] float32
+    advantages: torch.Tensor  # [B] float32
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float32
+    lengths: list[int] = field(default_factory=list)  # real length of each row
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return MicroBatch(move(self.token_ids), move(self.position_ids), move(self.loss_mask),
+                          move(self.old_logprobs), move(self.advantages), move(self.ref_logprobs),
+                          list(self.lengths))
+
+
+def collate(trajectories: list[Trajectory], pad_to_multiple_of: int = 1) -> MicroBatch:
+    """Right-pad trajectories into one micro-batch."""
+    if not trajectories:
+        raise ValueError("cannot collate an empty list of trajectories")
+    lengths = [len(t) for t in trajectories]
+    seq_len = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
+    batch = len(trajectories)
+    token_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    loss_mask = torch.zeros(batch, seq_len, dtype=torch.float32)
+    old_logprobs = torch.zeros(batch, seq_len, dtype=torch.float32)
+    has_ref = all(t.ref_logprobs is not None for t in trajectories)
+    ref_logprobs = torch.zeros(batch, seq_len, dtype=torch.float32) if has_ref else None
+    for row, (traj, n) in enumerate(zip(trajectories, lengths)):
+        token_ids[row, :n] = traj.token_ids.reshape(-1)
+        loss_mask[row, :n] = traj.loss_mask.reshape(-1).float()
+        old_logprobs[row, :n] = traj.old_logprobs.reshape(-1).float()
+        if has_ref:
+            ref_logprobs[row, :n] = traj.ref_logprobs.reshape(-1).float()
+    position_ids = torch.arange(seq_len, dtype=torch.long)[None].expand(batch, seq_len).contiguous()
+    advantages = torch.tensor([float(t.advantage) for t in trajectories], dtype=torch.float32)
+    return MicroBatch(token_ids, position_ids, loss_mask, old_logprobs, advantages, ref_logprobs, lengths)
+
+
+def pack_micro_batches(trajectories: list[Trajectory], micro_batch_tokens: int,
+                       pad_to_multiple_of: int = 1) -> list[MicroBatch]:
+    """Split trajectories, in the given order, into micro-batches of at most
+    `micro_batch_tokens` padded tokens (rows x padded length). A trajectory longer than the budget
+    gets a micro-batch of its own."""
+    groups: list[list[Trajectory]] = []
+    current: list[Trajectory] = []
+    longest = 0
+    for traj in trajectories:
+        padded = -(-max(longest, len(traj)) // pad_to_multiple_of) * pad_to_multiple_of
+        if current and padded * (len(current) + 1) > micro_batch_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(traj)
+        longest = max(longest, len(traj))
+    if current:
+        groups.append(current)
+    return [collate(group, pad_to_multiple_of) for group in groups]
