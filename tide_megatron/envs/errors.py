@@ -1,0 +1,43 @@
+"""Typed errors of the env client. Each names the server address and the call that failed,
+so a log line alone says which env fleet member misbehaved and during what."""
+
+from __future__ import annotations
+
+
+class EnvError(RuntimeError):
+    """Base of every env client error."""
+
+    def __init__(self, address: str, call: str, detail: str):
+        self.address = address
+        self.call = call
+        self.detail = detail
+        super().__init__(f"env server {address}: {call}: {detail}")
+
+
+class EnvServerDown(EnvError):
+    """The server could not be reached, or the connection dropped with the call in flight.
+    Sessions on that server are to be presumed lost; re-run the task."""
+
+
+class EnvTimeout(EnvError):
+    """The call did not complete within its timeout. The session may still be live server-side
+    (the env was merely slow); the caller decides whether to retry, close or abandon it."""
+
+    def __init__(self, address: str, call: str, timeout_s: float):
+        self.timeout_s = timeout_s
+        super().__init__(address, call, f"no reply within {timeout_s:g} s")
+
+
+class EnvProtocolError(EnvError):
+    """The server sent something that is not a valid message of the protocol (not JSON, a
+    missing or mistyped field, a line over the size limit). The connection is dropped."""
+
+
+class EnvRemoteError(EnvError):
+    """The server understood the call and refused it (unknown env/task/session, episode
+    already done, server busy, the env raised). `kind` is the server's error type."""
+
+    def __init__(self, address: str, call: str, kind: str, message: str):
+        self.kind = kind
+        self.message = message
+        super().__init__(address, call, f"{kind}: {message}")
