@@ -28,6 +28,9 @@ from tide_megatron.trainer.grpo_loss import grpo_loss
 from tide_megatron.trainer.logprobs import forward_logprobs
 
 
+METRIC_KEYS = ("loss", "pg_loss", "kl", "clip_frac")
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -68,6 +71,7 @@ class StepResult:
     grad_norm: float | None
     update_successful: bool
     step: int
+    ref_wait_s: float = 0.0  # loss-in-backward: time backward passes waited for the reference
 
 
 class MegatronActor:
@@ -130,33 +134,40 @@ class MegatronActor:
         logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids)  # [B, T]
         return logprobs, partial(self._loss_func, mb)
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """Forward + backward every micro-batch, then one optimizer step.
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> list[dict]:
+        """Zero the grads, then forward + backward every micro-batch (no optimizer step).
 
-        With `kl_coef != 0` and the ordinary loss, each micro-batch needs `ref_logprobs`
-        (`ReferenceModel.attach_logprobs`); with `loss_in_backward`, `ref_logprobs` may instead
-        be a pending handle (`loss_in_backward.PendingLogprobs`) resolved during backward.
+        Leaves the step's gradient (token mean over all micro-batches and DP ranks) in the DDP
+        grad buffers (`param.main_grad`). Returns Megatron's per-micro-batch metric dicts.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch")
+            raise ValueError("a step needs at least one micro-batch")
         if self.cfg.kl_coef != 0.0 and any(mb.ref_logprobs is None for mb in micro_batches):
             raise ValueError("kl_coef != 0: every micro-batch needs ref_logprobs (or a pending handle)")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         forward_backward = get_forward_backward_func()
-        max_len = max(mb.token_ids.shape[1] for mb in micro_batches)
-        reports = forward_backward(
+        return forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro_batches),
             model=[self.model],
             num_microbatches=len(micro_batches),
-            seq_length=max_len,  # unused without pipeline parallelism
-            micro_batch_size=micro_batches[0].token_ids.shape[0],
+            seq_length=max(mb.token_ids.shape[1] for mb in micro_batches),  # unused without PP
+            micro_batch_size=micro_batches[0].token_ids.shape[0],  # unused without PP
             forward_only=False,
         )
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """One GRPO update: `forward_backward` over the micro-batches, then the optimizer step.
+
+        With `kl_coef != 0` and the ordinary loss, each micro-batch needs `ref_logprobs`
+        (`ReferenceModel.attach_logprobs`); with `loss_in_backward`, `ref_logprobs` may instead
+        be a pending handle (`loss_in_backward.PendingLogprobs`) resolved during backward.
+        """
+        reports = self.forward_backward(micro_batches)
         update_successful, grad_norm, _ = self.optimizer.step()
         self.step += 1
         totals = self._reduce_reports(reports)
@@ -166,14 +177,15 @@ class MegatronActor:
             kl=totals["kl"][0] / count, clip_frac=totals["clip_frac"][0] / count,
             num_tokens=int(totals["loss"][1]),
             grad_norm=None if grad_norm is None else float(grad_norm),
-            update_successful=bool(update_successful), step=self.step)
+            update_successful=bool(update_successful), step=self.step,
+            ref_wait_s=sum(float(r.get("ref_wait_s", 0.0)) for r in reports))
 
     @staticmethod
-    def _reduce_reports(reports: list[dict[str, torch.Tensor]]) -> dict[str, list[float]]:
+    def _reduce_reports(reports: list[dict]) -> dict[str, list[float]]:
         """Sum [sum, count] metric pairs over micro-batches, then over the DP group."""
         from megatron.core import parallel_state
 
-        keys = sorted(reports[0]) if reports else ["clip_frac", "kl", "loss", "pg_loss"]
+        keys = METRIC_KEYS
         stacked = torch.zeros(len(keys), 2, dtype=torch.float64)
         for report in reports:
             for i, key in enumerate(keys):

@@ -14,8 +14,12 @@ no prediction, so its loss mask must be 0 (it is a prompt token anyway).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tide_megatron.trainer.loss_in_backward import PendingLogprobs
 
 
 @dataclass
@@ -48,7 +52,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T] float32
     old_logprobs: torch.Tensor  # [B, T] float32
     advantages: torch.Tensor  # [B] float32
-    ref_logprobs: torch.Tensor | None = None  # [B, T] float32
+    ref_logprobs: "torch.Tensor | PendingLogprobs | None" = None  # [B, T] float32, or a handle
     lengths: list[int] = field(default_factory=list)  # real length of each row
 
     @property
@@ -56,7 +60,8 @@ class MicroBatch:
         return int(self.loss_mask.sum().item())
 
     def to(self, device: torch.device | str) -> "MicroBatch":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        # ref_logprobs may be a pending handle (loss-in-backward); only tensors move.
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
         return MicroBatch(move(self.token_ids), move(self.position_ids), move(self.loss_mask),
                           move(self.old_logprobs), move(self.advantages), move(self.ref_logprobs),
                           list(self.lengths))

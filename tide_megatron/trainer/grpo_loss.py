@@ -14,7 +14,7 @@ count, Megatron's schedule adds the counts across micro-batches and DP ranks
 
 `grpo_loss_grad_wrt_logprobs` is the analytic d(loss)/dx that the loss-in-backward path uses; it
 mirrors autograd's conventions at ties (half to each branch of the max, inclusive clamp) so the
-two agree to the last bit in fp32.
+two agree within fp32 rounding (same branches taken, a few ulps apart).
 """
 
 from __future__ import annotations
