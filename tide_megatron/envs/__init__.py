@@ -1,1 +1,68 @@
+"""Environments: the env protocol, the env server and client, and the built-in envs.
 
+Environments run outside the trainer, in an env server process (or a fleet of them), and
+compute rewards next to their state. The rollout task runner talks to them with `EnvClient`
+over newline-delimited JSON on TCP (`wire.py`), loopback by default.
+
+Built-in envs (registered by name, configured by `EnvConfig`):
+- `door_game`: a small deterministic multi-turn game a tiny random-init model learns with
+  GRPO on CPU in minutes (random valid policy ~0.20 mean return, perfect policy 1.0).
+- `textworld`: procedurally generated TextWorld games, offline, generated lazily and cached.
+- any env with `EnvConfig.latency.enabled`: heavy-tailed emulated latency and per-task extra
+  turns, deterministic under a seed, emulating remote environments.
+
+Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult), `wire` (message format),
+`config` (typed configs), `server` (EnvServer), `server_process` (EnvServerProcess, the
+embedded server as a subprocess), `client` (EnvClient), `errors`, `registry`, `latency`,
+`door_game`, `textworld_env`.
+
+Plugging in a remote benchmark env server (WebShop, ALFWorld, OSWorld, ScienceBoard)
+---------------------------------------------------------------------------------------
+Nothing on the trainer side changes: the task runner only knows `EnvClient` and the JSON
+protocol. A benchmark plugs in by standing up a server that speaks it, next to the benchmark
+(on the CPU env cluster, where the browser, the ALFWorld game files or the OSWorld VMs live):
+
+1. Implement `Env` (`protocol.py`) around the benchmark's own API: `list_tasks(split)` returns
+   its task ids with a `task_type` (e.g. the WebShop goal category, the ALFWorld task family,
+   the OSWorld app) so CTB can spread stragglers; `reset(task_id, trajectory_id)` starts an
+   episode whose start depends on the task only (same goal, same initial page/room/VM
+   snapshot for the G members of a group); `step(action)` executes the model's text action
+   and returns the benchmark's reward (WebShop's attribute-match score at `buy`, ALFWorld's
+   goal success, OSWorld's evaluator result) with `done`. Set `blocking = True` when calls
+   block (a browser, a VM): they then run on the server's worker threads.
+2. `register_env("webshop", factory)` in a small module named in `EnvServerConfig.plugins`
+   (the server imports it first), and run `python -m tide_megatron.envs.server --config-json
+   '{"host": "<env host address>", "allow_remote": true, "plugins": ["my_bench.tide_env"],
+   "envs": [{"name": "webshop"}]}'` on each env host. Or, for a benchmark that already
+   has its own server in another language, answer the seven ops of `wire.py` directly: the
+   client checks every field, so a conforming server needs no Python from this package.
+3. Point the recipe's env client at the fleet (`EnvClientConfig.host/port`), give
+   `call_timeout_s` room for the slowest real step, and size CTB's env concurrency to the
+   servers' `max_sessions` (the `stats` op reports live sessions).
+
+Multi-modal observations (OSWorld screenshots) travel as base64 strings in `info` under a
+key the task runner's processor understands; `max_message_bytes` bounds a line on both ends.
+"""
+
+from tide_megatron.envs.client import EnvClient
+from tide_megatron.envs.config import (
+    DoorGameConfig,
+    EnvClientConfig,
+    EnvConfig,
+    EnvServerConfig,
+    EnvServerProcessConfig,
+    LatencyConfig,
+    TextWorldConfig,
+)
+from tide_megatron.envs.errors import EnvError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout
+from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
+from tide_megatron.envs.registry import build_env, register_env, registered_envs
+from tide_megatron.envs.server import EnvServer
+from tide_megatron.envs.server_process import EnvServerProcess
+
+__all__ = [
+    "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvProtocolError",
+    "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerProcess", "EnvServerProcessConfig",
+    "EnvTimeout", "LatencyConfig", "ResetResult", "StepResult", "TaskSpec", "TextWorldConfig", "build_env",
+    "register_env", "registered_envs",
+]

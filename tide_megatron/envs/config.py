@@ -186,6 +186,10 @@ class EnvServerConfig:
     envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
     """The environments this server offers, by `EnvConfig.key`."""
 
+    plugins: list[str] = field(default_factory=list)
+    """Modules imported before the envs are built; each registers its envs with
+    `register_env` (how a benchmark adapter joins without changing this package)."""
+
     max_sessions: int = 4096
     """Most live sessions; a reset past this fails with `ServerBusy` (env concurrency bound)."""
 

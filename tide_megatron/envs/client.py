@@ -1,0 +1,222 @@
+"""Asyncio client of the env server, used by the rollout task runner.
+
+One `EnvClient` holds one TCP connection and multiplexes every call over it (calls are
+matched to replies by id), so a rollout rank with hundreds of live tasks needs one client.
+It connects lazily on the first call and reconnects on the next call after a drop; sessions
+opened before a drop are gone (the server closes a connection's sessions when it ends).
+
+    async with EnvClient(EnvClientConfig(port=port)) as client:
+        tasks = await client.list_tasks("door_game", split="train", limit=64)
+        first = await client.reset("door_game", tasks[0].task_id, trajectory_id="g0-t3")
+        while True:
+            res = await client.step(first.session_id, action_text)
+            if res.done:
+                break
+        await client.close_session(first.session_id)
+
+Failures raise the typed errors of `tide_megatron.envs.errors`: `EnvServerDown` (cannot
+connect, connect timed out, connection dropped mid-call), `EnvTimeout` (no reply within the
+call's timeout), `EnvProtocolError` (the server sent malformed data), `EnvRemoteError` (the
+server refused the call; `.kind` says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from typing import Any, AsyncIterator
+
+from tide_megatron.envs.config import EnvClientConfig
+from tide_megatron.envs.errors import EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout
+from tide_megatron.envs.protocol import ResetResult, StepResult, TaskSpec
+from tide_megatron.envs.wire import Request, Response, WireError, decode_response, encode_request
+
+logger = logging.getLogger(__name__)
+
+
+class EnvClient:
+    def __init__(self, cfg: EnvClientConfig):
+        self.cfg = cfg
+        self.address = f"{cfg.host}:{cfg.port}"
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._connect_lock = asyncio.Lock()
+        self._write_lock = asyncio.Lock()
+
+    # Connection ----------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and not self._writer.is_closing()
+
+    async def connect(self) -> None:
+        async with self._connect_lock:
+            if self.connected:
+                return
+            try:
+                self._reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.cfg.host, self.cfg.port, limit=self.cfg.max_message_bytes),
+                    timeout=self.cfg.connect_timeout_s,
+                )
+            except asyncio.TimeoutError:
+                raise EnvServerDown(self.address, "connect", f"no connection within {self.cfg.connect_timeout_s:g} s") from None
+            except OSError as e:
+                raise EnvServerDown(self.address, "connect", f"cannot connect: {e}") from None
+            self._reader_task = asyncio.create_task(self._read_replies(self._reader))
+
+    async def close(self) -> None:
+        """Drop the connection (the server then closes this client's sessions)."""
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader_task
+            self._reader_task = None
+        self._drop(EnvServerDown(self.address, "close", "client closed"))
+
+    async def __aenter__(self) -> EnvClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _drop(self, error: Exception) -> None:
+        """Forget the connection and fail every call in flight with `error`."""
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        error: Exception
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (asyncio.LimitOverrunError, ValueError):
+                    error = EnvProtocolError(self.address, "read", f"reply line over {self.cfg.max_message_bytes} bytes")
+                    break
+                if not line:
+                    error = EnvServerDown(self.address, "read", "connection closed by the server")
+                    break
+                if not line.endswith(b"\n"):
+                    error = EnvServerDown(self.address, "read", "connection closed mid-reply")
+                    break
+                try:
+                    resp = decode_response(line)
+                except WireError as e:
+                    error = EnvProtocolError(self.address, "read", str(e))
+                    break
+                fut = self._pending.pop(resp.id, None)
+                if fut is None:
+                    # A reply to a call that timed out, or an error about an unparseable line.
+                    if not resp.ok:
+                        logger.warning("env server %s: uncorrelated error %s: %s", self.address, resp.error_type, resp.error_message)
+                    continue
+                if not fut.done():
+                    fut.set_result(resp)
+        except ConnectionError as e:
+            error = EnvServerDown(self.address, "read", f"connection lost: {e}")
+        except asyncio.CancelledError:
+            raise
+        # Only drop the connection this reader belongs to (a reconnect may have replaced it).
+        if reader is self._reader:
+            self._drop(error)
+
+    # Calls ---------------------------------------------------------------------------------
+
+    async def call(self, op: str, args: dict[str, Any], call_name: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """One raw call; returns the result object. Most callers use the typed methods."""
+        timeout = self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        await self.connect()
+        req_id = next(self._ids)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        try:
+            try:
+                async with self._write_lock:
+                    assert self._writer is not None
+                    self._writer.write(encode_request(Request(req_id, op, args)))
+                    await self._writer.drain()
+            except (ConnectionError, AssertionError) as e:
+                self._drop(EnvServerDown(self.address, call_name, f"connection lost: {e}"))
+                raise EnvServerDown(self.address, call_name, f"connection lost while sending: {e}") from None
+            try:
+                resp: Response = await asyncio.wait_for(fut, timeout=timeout)
+            except asyncio.TimeoutError:
+                raise EnvTimeout(self.address, call_name, timeout) from None
+        except EnvServerDown as e:
+            # Re-raise under this call's name: the reader only knows the connection died.
+            raise EnvServerDown(self.address, call_name, e.detail) from None
+        except EnvProtocolError as e:
+            raise EnvProtocolError(self.address, call_name, e.detail) from None
+        finally:
+            self._pending.pop(req_id, None)
+        if not resp.ok:
+            raise EnvRemoteError(self.address, call_name, resp.error_type, resp.error_message)
+        assert resp.result is not None
+        return resp.result
+
+    async def ping(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return await self.call("ping", {}, "ping", timeout_s)
+
+    async def envs(self) -> list[str]:
+        result = await self.call("envs", {}, "envs")
+        return self._parse("envs", lambda: _str_list(result["envs"]))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.call("stats", {}, "stats")
+
+    async def list_tasks(self, env: str, split: str = "train", offset: int = 0, limit: int = 1 << 30) -> list[TaskSpec]:
+        name = f"tasks(env={env}, split={split})"
+        result = await self.call("tasks", {"env": env, "split": split, "offset": offset, "limit": limit}, name)
+        return self._parse(name, lambda: [TaskSpec.from_json(t) for t in result["tasks"]])
+
+    async def reset(self, env: str, task_id: str, trajectory_id: str, timeout_s: float | None = None) -> ResetResult:
+        """Open a session on `task_id`; the result carries its `session_id`."""
+        name = f"reset(env={env}, task={task_id}, trajectory={trajectory_id})"
+        if timeout_s is None and self.cfg.reset_timeout_s > 0:
+            timeout_s = self.cfg.reset_timeout_s
+        result = await self.call("reset", {"env": env, "task_id": task_id, "trajectory_id": trajectory_id}, name, timeout_s)
+        res = self._parse(name, lambda: ResetResult.from_json(result))
+        if not res.session_id:
+            raise EnvProtocolError(self.address, name, "reset reply carries no session_id")
+        return res
+
+    async def step(self, session_id: str, action: str, timeout_s: float | None = None) -> StepResult:
+        name = f"step(session={session_id})"
+        result = await self.call("step", {"session_id": session_id, "action": action}, name, timeout_s)
+        return self._parse(name, lambda: StepResult.from_json(result))
+
+    async def close_session(self, session_id: str, timeout_s: float | None = None) -> None:
+        await self.call("close", {"session_id": session_id}, f"close(session={session_id})", timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def session(self, env: str, task_id: str, trajectory_id: str) -> AsyncIterator[ResetResult]:
+        """Reset on entry, close on exit (best effort: a dead server already dropped it)."""
+        first = await self.reset(env, task_id, trajectory_id)
+        try:
+            yield first
+        finally:
+            with contextlib.suppress(EnvServerDown, EnvTimeout, EnvRemoteError, EnvProtocolError):
+                await self.close_session(first.session_id)
+
+    def _parse(self, call_name: str, build):
+        try:
+            return build()
+        except (KeyError, TypeError, ValueError) as e:
+            raise EnvProtocolError(self.address, call_name, f"malformed result: {e}") from None
+
+
+def _str_list(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return value

@@ -1,0 +1,136 @@
+"""Start the env server as a subprocess and stop it cleanly (the embedded default).
+
+    with EnvServerProcess(EnvServerConfig(envs=[EnvConfig(name="door_game")])) as server:
+        client = EnvClient(server.client_config())
+        ...
+
+The subprocess binds (port 0 by default: the OS picks a free port), prints its address on a
+ready line, and must then answer a ping before `start()` returns. `stop()` sends SIGTERM (the
+server closes every session) and kills the process if it is not gone within the grace time.
+It is a synchronous context manager so a launcher can use it before any event loop exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from tide_megatron.envs.config import EnvClientConfig, EnvServerConfig, EnvServerProcessConfig, config_to_dict
+from tide_megatron.envs.server import READY_PREFIX
+from tide_megatron.envs.wire import Request, decode_response, encode_request
+
+
+class EnvServerProcess:
+    def __init__(self, server_cfg: EnvServerConfig, process_cfg: EnvServerProcessConfig | None = None):
+        self.server_cfg = server_cfg
+        self.process_cfg = process_cfg or EnvServerProcessConfig()
+        self.host = server_cfg.host
+        self.port = server_cfg.port
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def client_config(self, base: EnvClientConfig | None = None) -> EnvClientConfig:
+        """`base` (or the defaults) pointed at this server."""
+        return replace(base or EnvClientConfig(), host=self.host, port=self.port)
+
+    def start(self) -> EnvServerProcess:
+        if self._proc is not None:
+            raise RuntimeError("env server process already started")
+        cmd = [sys.executable, "-m", "tide_megatron.envs.server", "--config-json", json.dumps(config_to_dict(self.server_cfg))]
+        stderr = None
+        if self.process_cfg.log_path:
+            self._log = open(self.process_cfg.log_path, "ab")
+            stderr = self._log
+        # New session: a Ctrl-C aimed at the launcher's process group is handled by stop(),
+        # in order, instead of hitting the server mid-reply.
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, env=os.environ.copy())
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        deadline = time.monotonic() + self.process_cfg.ready_timeout_s
+        buf = b""
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"env server (pid {self._proc.pid}) not ready within {self.process_cfg.ready_timeout_s:g} s")
+            ready, _, _ = select.select([self._proc.stdout], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(self._proc.stdout.fileno(), 4096)
+                if not chunk:
+                    code = self._proc.wait()
+                    where = f"; see {self.process_cfg.log_path}" if self.process_cfg.log_path else ""
+                    raise RuntimeError(f"env server exited with code {code} before it was ready{where}")
+                buf += chunk
+        line = buf.split(b"\n", 1)[0].decode(errors="replace")
+        if not line.startswith(READY_PREFIX):
+            raise RuntimeError(f"env server printed {line!r} instead of its ready line")
+        addr = json.loads(line[len(READY_PREFIX) :])
+        self.host, self.port = addr["host"], int(addr["port"])
+        self._ping(deadline)
+
+    def _ping(self, deadline: float) -> None:
+        """One ping over a plain socket: proves the server answers, not just that it bound."""
+        left = max(0.1, deadline - time.monotonic())
+        with socket.create_connection((self.host, self.port), timeout=left) as sock:
+            sock.sendall(encode_request(Request(0, "ping", {})))
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise RuntimeError(f"env server {self.address} closed the connection on ping")
+                data += chunk
+        resp = decode_response(data)
+        if not resp.ok:
+            raise RuntimeError(f"env server {self.address} refused ping: {resp.error_message}")
+
+    def stop(self) -> int | None:
+        """Stop the server; returns its exit code (None if it was never started)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.process_cfg.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return proc.returncode
+
+    def __enter__(self) -> EnvServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        # Last resort for a caller that forgot stop(): never leave an orphan server behind.
+        if getattr(self, "_proc", None) is not None and self._proc.poll() is None:
+            self._proc.kill()
