@@ -1,1 +1,38 @@
+"""The one CPU compatibility layer of tide-megatron.
 
+Two parts, both inert on a machine with CUDA:
+- `standins`: import-time stand-ins for GPU-only packages SGLang imports (triton,
+  torchvision, vllm). Loaded by a `.pth` file in site-packages (written by
+  `python -m tide_megatron.compat.install`) so that SGLang's own scheduler and
+  detokenizer subprocesses get them too; a conftest or an import in our code would not.
+- `megatron_cpu`: runtime stand-ins for Megatron-core's CUDA assumptions, installed by
+  the trainer when `torch.cuda.is_available()` is false.
+
+Both are pinned to the versions they were written for (see PINNED_VERSIONS) and
+tests/integration/compat checks those versions and every patched attribute.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PINNED_VERSIONS = {"sglang": "0.5.23", "megatron-core": "0.16.1", "torch": "2.13.0"}
+DISABLE_ENV = "TIDE_DISABLE_CPU_COMPAT"
+
+
+def cuda_present() -> bool:
+    """A cheap check that needs no torch import: an NVIDIA driver is loaded."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def activate_standins() -> tuple[str, ...]:
+    """Register stand-ins for missing GPU-only packages; returns the packages served."""
+    from tide_megatron.compat.standins import StandinFinder
+
+    if os.environ.get(DISABLE_ENV) == "1" or cuda_present():
+        return ()
+    served = StandinFinder.for_missing()
+    if served and StandinFinder not in sys.meta_path:
+        sys.meta_path.insert(0, StandinFinder)
+    return served

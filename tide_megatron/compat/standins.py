@@ -18,7 +18,7 @@ import importlib.util
 import sys
 import types
 
-VERSION = "3.0.0-tide-standin"
+VERSION = "3.0.0"  # a parseable version: callers compare it with packaging
 
 
 class _StandinBase:

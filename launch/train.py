@@ -1,0 +1,34 @@
+"""Train a policy: `torchrun --nproc-per-node N launch/train.py +recipe=NAME [key=value ...]`.
+
+Every rank composes the same config; rank 0 runs the controller. See README.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
+
+import hydra  # noqa: E402
+from hydra_schema import CONFIG_DIR, register, to_job_config  # noqa: E402
+
+register()
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
+def main(cfg) -> None:
+    from tide_megatron.job import Job
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    job = Job(to_job_config(cfg))
+    try:
+        job.run()
+    finally:
+        job.close()
+
+
+if __name__ == "__main__":
+    main()

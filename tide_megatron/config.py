@@ -1,0 +1,178 @@
+"""The job configuration: one typed dataclass per component, composed into `JobConfig`.
+
+The library only ever receives these plain dataclasses. Hydra is confined to `launch/`:
+`register_configs()` puts `JobConfig` in Hydra's ConfigStore as the schema that
+`recipes/config.yaml` extends, so an unknown key or a wrongly typed value fails at
+compose time with a message naming the key. The dataclass defaults are the tiny CPU
+recipe, so `launch/train.py` with no recipe trains a tiny model end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
+from tide_megatron.rollout.engine import RolloutEngineConfig
+from tide_megatron.rollout.task_runner import TaskRunnerConfig
+from tide_megatron.trainer.config import TrainerConfig
+
+SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")
+IMPLEMENTED_MODES = ("sync",)
+
+
+@dataclass
+class RunConfig:
+    """The training run as a whole."""
+
+    name: str = "tiny_cpu"
+    """Run name; outputs go to `output_dir`."""
+    steps: int = 6
+    """Training steps (policy updates) to run."""
+    seed: int = 0
+    """Seeds the model init, task sampling and the engines."""
+    output_dir: str = "outputs/${run.name}"
+    """Metrics, checkpoints and the resolved config. Written by rank 0 only."""
+    checkpoint_interval: int = 0
+    """Save a Megatron dist checkpoint every this many steps (0: only at the end)."""
+    resume: bool = False
+    """Continue from the latest checkpoint under `output_dir/checkpoints` (an error if none)."""
+    resume_from: str = ""
+    """Continue from this checkpoint directory instead (an error if it does not exist)."""
+
+
+@dataclass
+class RandomModelConfig:
+    """Architecture of a random-init model written at start-up (no `model.path`)."""
+
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    ffn_hidden_size: int = 128
+    """SwiGLU inner width."""
+    max_position_embeddings: int = 2048
+    """Longest sequence."""
+    tie_word_embeddings: bool = False
+    """Share input and output embeddings."""
+
+
+@dataclass
+class ModelSourceConfig:
+    """Where the policy's weights and tokenizer come from."""
+
+    path: str = ""
+    """A local Hugging Face checkpoint directory (config.json, safetensors, tokenizer).
+    Empty: write a random checkpoint of `random_init` with `tokenizer` at start-up."""
+    tokenizer: str = "tiny_bpe"
+    """Tokenizer of a random checkpoint: `tiny_bpe` (committed, small vocab) or `qwen2_5`."""
+    random_init: RandomModelConfig = field(default_factory=RandomModelConfig)
+    """Architecture of the random checkpoint."""
+
+
+@dataclass
+class ClusterConfig:
+    """How the torchrun ranks are split between roles."""
+
+    rollout_ranks: int = 1
+    """Ranks that start as rollout (the last ones); the others train. Rank 0 always
+    trains and runs the controller."""
+
+
+@dataclass
+class SchedulerConfig:
+    """What is rolled out and when it is trained on."""
+
+    mode: str = "sync"
+    """`sync` (roll out a global batch, train, sync). Planned: `async_static`, `stream`, `tide`."""
+    groups_per_step: int = 4
+    """GRPO groups in one global batch."""
+    group_size: int = 4
+    """Trajectories per group (G)."""
+    max_staleness: int = 1
+    """Largest policy-version lag of a consumed trajectory (0 is strictly on-policy)."""
+    max_tasks_per_rank: int = 16
+    """Concurrent tasks on one rollout rank (each holds a session and a request slot)."""
+    max_task_retries: int = 1
+    """A failed trajectory is re-run this many times before the run stops with its error."""
+
+
+@dataclass
+class EnvsConfig:
+    """The environments of the run and how to reach them."""
+
+    train_env: str = "door_game"
+    """Served env name that training tasks come from."""
+    server: EnvServerConfig = field(default_factory=lambda: EnvServerConfig(envs=[EnvConfig()]))
+    """The env server the run starts itself (unless `external`)."""
+    external: bool = False
+    """Use an env server that is already running at `client.host:client.port`."""
+    client: EnvClientConfig = field(default_factory=EnvClientConfig)
+    """How rollout ranks reach the env server."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout ranks: their engine and their task loop."""
+
+    engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
+    """The SGLang engine each rollout rank runs."""
+    runner: TaskRunnerConfig = field(default_factory=TaskRunnerConfig)
+    """Turn limits and sampling of each task."""
+
+
+@dataclass
+class MetricsConfig:
+    """Where step metrics go."""
+
+    jsonl: bool = True
+    """Append one JSON line per step to `output_dir/metrics.jsonl`."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars to `output_dir/tensorboard`."""
+    progress: bool = True
+    """Show a progress bar on rank 0's console."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    envs: EnvsConfig = field(default_factory=EnvsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def validate(cfg: JobConfig, world_size: int) -> None:
+    """Checks that need more than one field; raises ValueError naming the keys."""
+    if cfg.scheduler.mode not in SCHEDULER_MODES:
+        raise ValueError(f"scheduler.mode={cfg.scheduler.mode!r}: expected one of {SCHEDULER_MODES}")
+    if cfg.scheduler.mode not in IMPLEMENTED_MODES:
+        raise ValueError(
+            f"scheduler.mode={cfg.scheduler.mode!r} is not available in the real system yet "
+            f"(available: {IMPLEMENTED_MODES}); the simulator runs every mode"
+        )
+    trainers = world_size - cfg.cluster.rollout_ranks
+    if cfg.cluster.rollout_ranks < 1 or trainers < 1:
+        raise ValueError(
+            f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} with world size {world_size}: "
+            "need at least one rollout rank and one trainer rank"
+        )
+    if trainers % cfg.trainer.tp_size:
+        raise ValueError(f"{trainers} trainer ranks do not divide by trainer.tp_size={cfg.trainer.tp_size}")
+    if cfg.scheduler.group_size < 2:
+        raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
+    if cfg.run.steps < 1:
+        raise ValueError("run.steps must be >= 1")
+    if cfg.envs.train_env not in {e.key for e in cfg.envs.server.envs} and not cfg.envs.external:
+        raise ValueError(
+            f"envs.train_env={cfg.envs.train_env!r} is not served; envs.server.envs offers "
+            f"{sorted(e.key for e in cfg.envs.server.envs)}"
+        )

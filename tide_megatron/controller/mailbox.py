@@ -1,0 +1,48 @@
+"""Control messages between the rank-0 controller and the other ranks.
+
+Messages are small JSON documents (task assignments, finished trajectories, commands)
+kept in torch.distributed's key-value store, the one torchrun already hosts for
+rendezvous. A mailbox is an append-only queue per destination: `post` takes a slot
+number with the store's atomic `add` and writes the message under it; the owner reads
+slots in order and deletes them. Nothing blocks a sender, which is what lets rollout
+ranks stream trajectories while the trainer trains. Weights never travel this way:
+they go over a process group (see `weight_sync.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+CONTROLLER = 0
+
+
+class Mailbox:
+    """The queue of messages addressed to `owner`, readable only by `owner`."""
+
+    def __init__(self, store: Any, owner: int, namespace: str = "tide/mb"):
+        self._store = store
+        self._prefix = namespace
+        self.owner = owner
+        self._next = 0  # next slot this owner reads
+
+    def _count_key(self, dest: int) -> str:
+        return f"{self._prefix}/{dest}/n"
+
+    def post(self, dest: int, kind: str, **payload: Any) -> None:
+        """Append a message to `dest`'s queue. Never blocks on the receiver."""
+        body = json.dumps({"kind": kind, "src": self.owner, **payload}, separators=(",", ":"))
+        slot = self._store.add(self._count_key(dest), 1) - 1
+        self._store.set(f"{self._prefix}/{dest}/{slot}", body)
+
+    def poll(self, limit: int = 1 << 30) -> list[dict[str, Any]]:
+        """Read the messages posted to this owner since the last poll, in order."""
+        available = self._store.add(self._count_key(self.owner), 0)
+        out = []
+        while self._next < available and len(out) < limit:
+            key = f"{self._prefix}/{self.owner}/{self._next}"
+            # A sender has reserved the slot but may not have written it yet: get() waits.
+            out.append(json.loads(self._store.get(key)))
+            self._store.delete_key(key)
+            self._next += 1
+        return out

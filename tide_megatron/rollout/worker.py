@@ -1,0 +1,104 @@
+"""A rollout rank: one SGLang engine, many concurrent multi-turn tasks.
+
+The worker runs on the engine's event loop. It takes task assignments and commands from
+its mailbox, runs each task as an asyncio task, and posts every finished trajectory to
+the controller as soon as it is done. On a `weights` command it joins the world
+broadcast (in a thread, so running tasks keep going) and loads the new weights into
+its engine, which also drops every cached prefix of the old policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from typing import Any
+
+from tide_megatron.controller import weight_sync
+from tide_megatron.controller.mailbox import CONTROLLER, Mailbox
+from tide_megatron.rollout.chat import ChatFormat
+from tide_megatron.rollout.engine import RolloutEngine
+from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunner
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.02
+
+
+class RolloutWorker:
+    def __init__(self, rank: int, engine: RolloutEngine, runner: TaskRunner, mailbox: Mailbox):
+        self.rank = rank
+        self.engine = engine
+        self.runner = runner
+        self.mailbox = mailbox
+        self._running: set[asyncio.Task] = set()
+        self._stopping = False
+        self._busy_s = 0.0  # wall time with at least one task running
+        self._busy_since: float | None = None
+
+    def run(self) -> None:
+        self.engine.loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self.mailbox.post(CONTROLLER, "ready")
+        while not self._stopping:
+            for msg in self.mailbox.poll():
+                await self._handle(msg)
+            await asyncio.sleep(POLL_INTERVAL_S)
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["kind"]
+        if kind == "task":
+            assignment = TaskAssignment(**msg["assignment"])
+            task = asyncio.get_running_loop().create_task(self._run_task(assignment))
+            self._running.add(task)
+            self._mark_busy()
+            task.add_done_callback(self._task_done)
+        elif kind == "weights":
+            await self._load_weights(weight_sync.WeightManifest.from_json(msg["manifest"]))
+        elif kind == "stop":
+            self._stopping = True
+        else:
+            raise ValueError(f"rollout rank {self.rank}: unknown message kind {kind!r}")
+
+    async def _run_task(self, assignment: TaskAssignment) -> None:
+        try:
+            trajectory = await self.runner.run(assignment)
+        except Exception as exc:  # report, never lose the task silently
+            logger.error("task %s failed on rank %d: %s", assignment.trajectory_id, self.rank, exc)
+            self.mailbox.post(
+                CONTROLLER, "task_failed", assignment=assignment.__dict__, error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(limit=5),
+            )
+            return
+        self.mailbox.post(CONTROLLER, "trajectory", trajectory=trajectory.to_json())
+
+    def _mark_busy(self) -> None:
+        if self._busy_since is None:
+            self._busy_since = time.monotonic()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        if not self._running and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    async def _load_weights(self, manifest: weight_sync.WeightManifest) -> None:
+        loop = asyncio.get_running_loop()
+        flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, None, manifest)
+        t0 = time.perf_counter()
+        await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+        busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
+        self.mailbox.post(
+            CONTROLLER, "weights_loaded", version=manifest.version, broadcast_s=comm_s,
+            load_s=time.perf_counter() - t0, busy_s=busy,
+        )
+
+
+def build_chat(model_path: str, system_prompt: str | None) -> ChatFormat:
+    from transformers import AutoTokenizer
+
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path), system_prompt)
