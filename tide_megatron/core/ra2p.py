@@ -227,7 +227,7 @@ def _form_micro_batches(items: list[tuple[Hashable, int]], dp_size: int, cfg: RA
     target = cfg.tokens_per_rank * dp_size
     total = sum(n for _, n in items)
     final_count = min(len(items), cfg.final_sequences_per_rank * dp_size)
-    if len(items) <= final_count or total - sum(n for _, n in items[-final_count:]) < target:
+    if len(items) - final_count < dp_size or total - sum(n for _, n in items[-final_count:]) < target:
         return [items]  # not enough work for one saturating micro-batch plus a separate tail
     head, final = items[:-final_count], items[-final_count:]
     chunks: list[list[tuple[Hashable, int]]] = []

@@ -1,0 +1,157 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tide_megatron.core import (
+    MicroBatchTimes,
+    RA2PConfig,
+    RA2PMode,
+    break_even_ras,
+    choose_mode,
+    colocated_latency,
+    decoupled_latency,
+    plan_microbatches,
+)
+
+TIMES = MicroBatchTimes(ref_fwd_s=1.0, actor_fwd_s=1.0, actor_bwd_s=2.0)
+CFG = RA2PConfig(swap_cost_s=2.0, pipeline_fill_s=0.5, actors_per_ref=3, aggregation_limit=2)
+
+
+def test_colocated_latency_all_ready_is_aggregated_rounds():
+    # 8 ready, at most 2 per Ref load: 4 rounds x (2 swaps + 2 x 4 s).
+    assert colocated_latency(8, 1.0, 8, TIMES, CFG) == pytest.approx(4 * (2 * 2.0 + 2 * 4.0))
+
+
+def test_colocated_latency_sparse_stream_is_one_round_per_arrival():
+    # Nothing ready, one micro-batch every 100 s: each arrives alone; the last at 300 s.
+    assert colocated_latency(0, 100.0, 3, TIMES, CFG) == pytest.approx(300 + 2 * 2.0 + 4.0)
+
+
+def test_decoupled_latency_bounds():
+    # D=3 actors, F=1 ref: t_ref = 3 s, t_actor = 3 s, fill = (3 - 1) + 0.5.
+    assert decoupled_latency(8, 0.0, 8, TIMES, CFG, dp_size=3) == pytest.approx(2.5 + 8 * 3.0)
+    # Arrival-bound: last micro-batch at 7 * 50 s, then Ref (3 s) + backward (2 s) + fill.
+    assert decoupled_latency(1, 50.0, 8, TIMES, CFG, dp_size=3) == pytest.approx(350 + 3 + 2 + 0.5)
+
+
+def test_empty_step_costs_nothing():
+    assert decoupled_latency(0, 1.0, 0, TIMES, CFG, 3) == 0.0 == colocated_latency(0, 1.0, 0, TIMES, CFG)
+
+
+@pytest.mark.parametrize("ras,tprm,expected", [
+    (8, 1.0, RA2PMode.DECOUPLED),    # large backlog: swaps dominate colocation
+    (0, 0.5, RA2PMode.DECOUPLED),    # fast stream keeps the pipeline fed
+    (0, 30.0, RA2PMode.COLOCATED),   # sparse stream would idle a dedicated Ref rank
+    (1, 10.0, RA2PMode.COLOCATED),
+])
+def test_mode_choice_follows_the_paper_regimes(ras, tprm, expected):
+    assert choose_mode(ras, tprm, 8, TIMES, CFG, dp_size=4).mode is expected
+
+
+def test_no_ref_rank_means_colocated():
+    assert choose_mode(8, 1.0, 8, TIMES, CFG, dp_size=4, ref_rank_available=False).mode is RA2PMode.COLOCATED
+
+
+def test_break_even_ras_separates_the_modes():
+    be = break_even_ras(10.0, 8, TIMES, CFG, dp_size=4)
+    assert 0 < be <= 8
+    assert choose_mode(be, 10.0, 8, TIMES, CFG, 4).mode is RA2PMode.DECOUPLED
+    assert choose_mode(be - 1, 10.0, 8, TIMES, CFG, 4).mode is RA2PMode.COLOCATED
+    assert break_even_ras(0.1, 8, TIMES, CFG, 4) == 0.0
+    free_swaps = RA2PConfig(swap_cost_s=0.0, aggregation_limit=100)
+    assert break_even_ras(1.0, 8, TIMES, free_swaps, 4) == math.inf
+
+
+def test_break_even_grows_with_tprm():
+    values = [break_even_ras(t, 8, TIMES, CFG, 4) for t in (0.5, 5.0, 10.0, 30.0)]
+    assert values == sorted(values)
+
+
+def test_plan_early_micro_batches_saturate_every_rank_and_final_is_small():
+    cfg = RA2PConfig(tokens_per_rank=1000)
+    lengths = [900, 800, 700, 600, 500, 400, 300, 200, 100, 50, 40, 30]
+    plan = plan_microbatches(lengths, 2, RA2PMode.DECOUPLED, cfg)
+    *early, final = plan.micro_batches
+    assert early and all(mb.tokens >= 2000 and all(mb.shards) for mb in early)
+    assert final.num_sequences == 2 and final.tokens == 70
+    assert sorted(i for mb in plan.micro_batches for s in mb.shards for i in s) == list(range(len(lengths)))
+
+
+def test_plan_with_too_little_work_is_one_micro_batch():
+    plan = plan_microbatches([10, 9, 9, 9, 9], 4, RA2PMode.DECOUPLED, RA2PConfig(tokens_per_rank=100))
+    assert len(plan.micro_batches) == 1 and plan.micro_batches[0].tokens == 46
+
+
+def test_plan_shrinks_a_tail_that_outweighs_an_early_micro_batch():
+    cfg = RA2PConfig(tokens_per_rank=100)
+    plan = plan_microbatches([1000, 900, 900, 900], 2, RA2PMode.DECOUPLED, cfg)
+    assert plan.micro_batches[-1].tokens == min(mb.tokens for mb in plan.micro_batches)
+
+
+def test_colocated_zigzag_balances_rank_totals():
+    plan = plan_microbatches({f"s{i}": n for i, n in enumerate([8, 7, 6, 5, 4, 3, 2, 1])}, 2,
+                             RA2PMode.COLOCATED, RA2PConfig(tokens_per_rank=10**6))
+    # Snake: ranks get 8+5+4+1 and 7+6+3+2.
+    assert plan.rank_tokens == (18, 18)
+    assert plan.feed_order(0) == ["s0", "s3", "s4", "s7"]
+
+
+def test_decoupled_feeds_the_globally_smallest_sequence_last():
+    lengths = {f"s{i}": n for i, n in enumerate([300, 50, 700, 20, 900, 400, 10, 800])}
+    plan = plan_microbatches(lengths, 2, RA2PMode.DECOUPLED, RA2PConfig(tokens_per_rank=500))
+    last = plan.micro_batches[-1]
+    assert "s6" in {s[-1] for s in last.shards if s}
+    assert [mb.tokens for mb in plan.micro_batches[:-1]] == sorted((mb.tokens for mb in plan.micro_batches[:-1]), reverse=True)
+
+
+def test_plan_is_deterministic_and_validates():
+    a = plan_microbatches([5, 5, 5, 5, 5], 2, RA2PMode.COLOCATED, RA2PConfig(tokens_per_rank=5))
+    b = plan_microbatches([5, 5, 5, 5, 5], 2, RA2PMode.COLOCATED, RA2PConfig(tokens_per_rank=5))
+    assert a == b
+    assert plan_microbatches([], 2, RA2PMode.COLOCATED, RA2PConfig()).micro_batches == ()
+    with pytest.raises(ValueError):
+        plan_microbatches([1], 0, RA2PMode.COLOCATED, RA2PConfig())
+    with pytest.raises(ValueError):
+        RA2PConfig(aggregation_limit=0)
+
+
+lengths_st = st.lists(st.integers(1, 4096), min_size=1, max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_st, dp=st.integers(1, 8), per_rank=st.integers(64, 8192), final_per_rank=st.integers(1, 3))
+def test_zigzag_balance_bound(lengths, dp, per_rank, final_per_rank):
+    cfg = RA2PConfig(tokens_per_rank=per_rank, final_sequences_per_rank=final_per_rank)
+    col = plan_microbatches(lengths, dp, RA2PMode.COLOCATED, cfg)
+    assert col.imbalance <= max(lengths)
+    if len(lengths) % dp == 0 and len(col.micro_batches) == 1:
+        assert col.imbalance <= max(lengths) - min(lengths)
+    dec = plan_microbatches(lengths, dp, RA2PMode.DECOUPLED, cfg)
+    for mb in dec.micro_batches:
+        own = [lengths[i] for s in mb.shards for i in s]
+        assert max(mb.shard_tokens) - min(mb.shard_tokens) <= max(own)
+    for plan in (col, dec):  # every sequence exactly once, tokens preserved
+        ids = [i for mb in plan.micro_batches for s in mb.shards for i in s]
+        assert sorted(ids) == list(range(len(lengths)))
+        assert sum(plan.rank_tokens) == sum(lengths)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_st, dp=st.integers(1, 8), per_rank=st.integers(64, 8192), final_per_rank=st.integers(1, 3))
+def test_decoupled_last_micro_batch_is_the_smallest(lengths, dp, per_rank, final_per_rank):
+    cfg = RA2PConfig(tokens_per_rank=per_rank, final_sequences_per_rank=final_per_rank)
+    plan = plan_microbatches(lengths, dp, RA2PMode.DECOUPLED, cfg)
+    tokens = [mb.tokens for mb in plan.micro_batches]
+    assert tokens[-1] == min(tokens)
+    # The globally smallest sequence is the last one fed on its rank.
+    smallest = min(range(len(lengths)), key=lambda i: (lengths[i], -i))
+    assert any(s and lengths[s[-1]] == lengths[smallest] for s in plan.micro_batches[-1].shards)
+    # Early micro-batches give every rank work whenever there is more than one micro-batch.
+    for mb in plan.micro_batches[:-1]:
+        assert all(mb.shards) and mb.tokens >= per_rank * dp
+    # Each rank's shard is fed longest first.
+    for mb in plan.micro_batches:
+        for s in mb.shards:
+            assert [lengths[i] for i in s] == sorted((lengths[i] for i in s), reverse=True)
