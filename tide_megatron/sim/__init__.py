@@ -1,1 +1,21 @@
+"""Discrete-event simulator of agentic RL training: TIDE (through the core objects) and the
+synchronous, static-partition and streaming baselines on a modelled H100 cluster."""
 
+from tide_megatron.sim.config import (HardwareConfig, ModelConfig, SchedulerConfig, SimConfig, TaskTypeConfig,
+                                      WorkloadConfig)
+from tide_megatron.sim.metrics import RunMetrics
+
+
+def run_simulation(cfg: SimConfig) -> RunMetrics:
+    """Build, run, and (if `cfg.out_dir` is set) write metrics JSON and the timeline PNG."""
+    from tide_megatron.sim.report import write_outputs
+    from tide_megatron.sim.simulator import Simulator
+
+    metrics = Simulator(cfg).run()
+    if cfg.out_dir:
+        write_outputs(metrics, cfg)
+    return metrics
+
+
+__all__ = ["HardwareConfig", "ModelConfig", "RunMetrics", "SchedulerConfig", "SimConfig", "TaskTypeConfig",
+           "WorkloadConfig", "run_simulation"]

@@ -1,0 +1,280 @@
+"""One rollout rank: an inference engine with a KV prefix cache and continuous batching.
+
+Decode is a fluid model: every running sequence emits one token per iteration, so one
+"virtual clock" v (iterations done) serves the whole batch and a sequence that needs g tokens
+finishes at v_start + g. An iteration takes base(n) + k*S(v) seconds, where S(v) = S0 + n*v is
+the batch's total context, growing by n tokens per iteration; the time to advance the clock
+therefore has a closed form (a quadratic), and the rank needs one event per finishing turn,
+not one per token.
+
+Prefill has priority over decode (SGLang's default schedule): a request that needs p uncached
+tokens freezes the batch for prefill_s(p). Its cached prefix is a hit.
+
+KV cache: running sequences hold context + tokens still to generate. A trajectory waiting for
+its env keeps its prefix in the cache; under request-level scheduling (`pinned=False`) that
+prefix is just LRU cache and is evicted when a new request needs room - the C1 collapse of the
+paper. Under CTB (`pinned=True`) waiting prefixes stay; when a request does not fit, the rank
+reports pressure and CTB decides which task to pause.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional
+
+from tide_megatron.sim.hardware import HardwareModel
+from tide_megatron.sim.workload import Trajectory
+
+
+@dataclass
+class RankStats:
+    """Counters of one rank (and, summed, of the cluster)."""
+
+    prompt_tokens: int = 0
+    """Context tokens of every submitted turn (the hit-rate denominator)."""
+    hit_tokens: int = 0
+    """Of those, tokens found in the prefix cache."""
+    recompute_tokens: int = 0
+    """Tokens prefilled a second time after an eviction, pause or flush."""
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    evictions: int = 0
+    idle_s: float = 0.0
+    """Time with nothing to decode or prefill (rollout waiting time, RWT)."""
+
+    def add(self, other: "RankStats") -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class RolloutRank:
+    """The engine of one rollout rank."""
+
+    def __init__(self, rank_id: int, hw: HardwareModel, pinned: bool):
+        self.rank_id = rank_id
+        self.hw = hw
+        self.capacity = hw.kv_capacity_tokens
+        self.pinned = pinned
+        self.stats = RankStats()
+        self.reset(0.0)
+
+    def reset(self, now: float) -> None:
+        """Empty engine (role change into rollout)."""
+        self.running: Dict[int, tuple] = {}  # traj_id -> (traj, start_v, reserved)
+        self._finish: List[tuple] = []  # heap of (finish_v, traj_id)
+        self.s0 = 0.0  # sum over running of (context_at_start - start_v)
+        self.vclock = 0.0
+        self.last_t = now
+        self.freeze_until = now
+        self.cache: "OrderedDict[int, int]" = OrderedDict()  # waiting traj_id -> prefix tokens
+        self.prompt_cache: "OrderedDict[int, int]" = OrderedDict()  # group_id -> prompt tokens
+        self.used = 0  # KV tokens held: running reservations + cached prefixes
+        self.queue: Deque[Trajectory] = deque()
+        self.resident: Dict[int, Trajectory] = {}  # every trajectory placed here and not done
+        self.footprint = 0  # sum of resident trajectories' next-turn footprints (CTB ledger)
+        self.version = 0  # bumps whenever the next wake time may change
+
+    # -------------------------------------------------------------------------------- clock
+    def _rates(self) -> tuple:
+        n = len(self.running)
+        a = self.hw.decode_base_s(n) + self.hw.decode_kv_s_per_token * self.s0
+        b = self.hw.decode_kv_s_per_token * n
+        return a, b
+
+    def advance(self, now: float) -> None:
+        """Move the decode clock to wall time `now`."""
+        start = max(self.last_t, self.freeze_until)
+        self.last_t = max(self.last_t, now)
+        if now <= start:
+            return
+        if not self.running:
+            self.stats.idle_s += now - start
+            return
+        dt = now - start
+        a, b = self._rates()
+        slope = a + b * self.vclock
+        if b <= 0:
+            dv = dt / slope
+        else:
+            dv = (-slope + math.sqrt(slope * slope + 2 * b * dt)) / b
+        self.vclock += dv
+        self.stats.decode_s += dt
+
+    def _time_for(self, dv: float) -> float:
+        a, b = self._rates()
+        return (a + b * self.vclock) * dv + 0.5 * b * dv * dv
+
+    def next_wake(self) -> Optional[float]:
+        """Wall time at which the next running turn finishes (None: nothing running)."""
+        if not self._finish:
+            return None
+        dv = max(0.0, self._finish[0][0] - self.vclock)
+        return max(self.last_t, self.freeze_until) + self._time_for(dv)
+
+    # ------------------------------------------------------------------------------- KV cache
+    def _evict_for(self, need: int, force: bool = False) -> None:
+        """Free room by dropping LRU prompt prefixes, then waiting prefixes (unless pinned; an
+        engine with nothing running must evict even pinned prefixes or it would deadlock)."""
+        while self.used + need > self.capacity and self.prompt_cache:
+            _, tokens = self.prompt_cache.popitem(last=False)
+            self.used -= tokens
+        if self.pinned and not force:
+            return
+        while self.used + need > self.capacity and self.cache:
+            _, tokens = self.cache.popitem(last=False)
+            self.used -= tokens
+            self.stats.evictions += 1
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity - self.used
+
+    # ------------------------------------------------------------------------------- requests
+    def place(self, traj: Trajectory) -> None:
+        """Make `traj` resident here (admission or resume); its turns arrive with `submit`."""
+        traj.rank = self.rank_id
+        self.resident[traj.traj_id] = traj
+        self.footprint += traj.footprint()
+
+    def _try_start(self, traj: Trajectory, now: float) -> bool:
+        need = traj.footprint() - self.cache.get(traj.traj_id, 0)
+        if self.used + need > self.capacity:
+            self._evict_for(need)
+            need = traj.footprint() - self.cache.get(traj.traj_id, 0)
+            if self.used + need > self.capacity and self.running:
+                return False
+            if self.used + need > self.capacity:
+                self._evict_for(need, force=True)
+        self._start(traj, now, self.cache.get(traj.traj_id, 0))
+        return True
+
+    def submit(self, traj: Trajectory, now: float) -> None:
+        """A turn of `traj` asks for generation; it starts now or waits in the engine queue."""
+        self.advance(now)
+        if self.queue or not self._try_start(traj, now):
+            self.queue.append(traj)
+
+    def _start(self, traj: Trajectory, now: float, cached: int) -> None:
+        ctx = traj.context
+        hit = cached
+        if cached:
+            del self.cache[traj.traj_id]
+            self.used -= cached
+        elif traj.turn == 0:
+            prompt = self.prompt_cache.get(traj.group_id, 0)
+            hit = min(prompt, ctx)
+            if prompt:
+                self.prompt_cache.move_to_end(traj.group_id)
+        new = ctx - hit
+        if traj.turn > 0:
+            # everything before the latest observation was computed once already
+            self.stats.recompute_tokens += max(0, ctx - traj.obs[traj.turn - 1] - hit)
+        self.stats.prompt_tokens += ctx
+        self.stats.hit_tokens += hit
+        if new > 0:
+            p = self.hw.prefill_s(new, hit)
+            self.freeze_until = max(now, self.freeze_until) + p
+            self.stats.prefill_s += p
+        if traj.turn == 0 and traj.group_id not in self.prompt_cache:
+            # the shared GRPO prompt stays in the radix tree for the group's other samples
+            self.prompt_cache[traj.group_id] = traj.prompt_tokens
+            self.used += traj.prompt_tokens
+        gen = traj.gen[traj.turn]
+        reserved = ctx + gen
+        self.used += reserved
+        self.running[traj.traj_id] = (traj, self.vclock, reserved)
+        self.s0 += ctx - self.vclock
+        heapq.heappush(self._finish, (self.vclock + gen, traj.traj_id))
+        self.version += 1
+
+    def wake(self, now: float) -> tuple:
+        """Finish every turn due by `now`: (finished trajectories, queued ones that started)."""
+        self.advance(now)
+        done: List[Trajectory] = []
+        eps = 1e-6
+        while self._finish and self._finish[0][0] <= self.vclock + eps:
+            _, tid = heapq.heappop(self._finish)
+            entry = self.running.pop(tid, None)
+            if entry is None:
+                continue
+            traj, start_v, reserved = entry
+            self.s0 -= traj.context - start_v
+            gen = traj.gen[traj.turn]
+            self.stats.generated_tokens += gen
+            self.used -= reserved
+            # the prefix (context + this turn's action) stays cached while the env works;
+            # evictable unless pinned. traj.context itself grows when the observation returns.
+            self.cache[tid] = traj.context + gen
+            self.used += traj.context + gen
+            done.append(traj)
+        started: List[Trajectory] = []
+        if done:
+            self.version += 1
+            started = self._drain_queue(now)
+        return done, started
+
+    def _drain_queue(self, now: float) -> List[Trajectory]:
+        started = []
+        while self.queue and self._try_start(self.queue[0], now):
+            started.append(self.queue.popleft())
+        return started
+
+    def abort(self, traj: Trajectory, now: float) -> None:
+        """Stop `traj`'s decode (CTB paused an active task): the turn restarts when resumed."""
+        self.advance(now)
+        entry = self.running.pop(traj.traj_id, None)
+        if entry is not None:
+            _, start_v, reserved = entry
+            self.s0 -= traj.context - start_v
+            self.used -= reserved
+            self.version += 1
+        if traj in self.queue:
+            self.queue.remove(traj)
+
+    def release(self, traj: Trajectory, now: float) -> List[Trajectory]:
+        """Drop `traj` from this rank (finished, paused or migrated). It must not be running."""
+        if self.resident.pop(traj.traj_id, None) is not None:
+            self.footprint -= traj.footprint()
+        tokens = self.cache.pop(traj.traj_id, 0)
+        self.used -= tokens
+        if tokens and self.queue:
+            self.version += 1
+            return self._drain_queue(now)
+        return []
+
+    def flush(self, now: float, stall_s: float) -> None:
+        """Weight sync: stall for the broadcast, drop every cached prefix (they were computed with
+        the old weights) and re-prefill the running sequences under the new ones."""
+        self.advance(now)
+        for tokens in self.cache.values():
+            self.used -= tokens
+        for tokens in self.prompt_cache.values():
+            self.used -= tokens
+        self.cache.clear()
+        self.prompt_cache.clear()
+        redo = 0
+        for traj, start_v, _ in self.running.values():
+            redo += traj.context + int(self.vclock - start_v)
+        self.stats.recompute_tokens += redo
+        extra = self.hw.prefill_s(redo) if redo else 0.0
+        self.stats.prefill_s += extra
+        self.freeze_until = max(now, self.freeze_until) + stall_s + extra
+        self.version += 1
+
+    # ------------------------------------------------------------------------------ queries
+    def waiting_trajectories(self) -> List[Trajectory]:
+        """Resident trajectories that are neither running nor queued (with the env)."""
+        queued = {t.traj_id for t in self.queue}
+        return [t for tid, t in self.resident.items() if tid not in self.running and tid not in queued]
+
+    def is_running(self, traj: Trajectory) -> bool:
+        return traj.traj_id in self.running
+
