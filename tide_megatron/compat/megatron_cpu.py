@@ -214,7 +214,12 @@ def _check_megatron_version() -> str:
 
 
 def shims_needed() -> bool:
-    """True on a machine where CUDA is absent (the only case the shims change anything)."""
+    """True on a machine where CUDA is absent (the only case the shims change anything), unless
+    the compat layer is switched off (`TIDE_DISABLE_CPU_COMPAT=1`, see `tide_megatron.compat`)."""
+    from tide_megatron import compat
+
+    if os.environ.get(getattr(compat, "DISABLE_ENV", "TIDE_DISABLE_CPU_COMPAT")) == "1":
+        return False
     return not torch.cuda.is_available()
 
 
