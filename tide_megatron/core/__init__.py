@@ -10,6 +10,26 @@ the discrete-event simulator (`tide_megatron.sim`) and the real controller.
 - `ra2p`: Ref-Actor cost models, mode choice and micro-batch planning.
 - `ers`: Elastic Resource Scaling role plans.
 - `roles`: rank roles, RA2P modes and the role plan.
+
+One training step, as the controller (or simulator) drives it::
+
+    buffer.begin_step(now)                                  # RAS, HoL measured
+    batch = buffer.fetch_batch(version, now)                # elastic [B_min, B_ideal]
+    choice = choose_mode(ras, est.tprm_s, n_mb, times, ra2p, dp_size)
+    plan = plan_microbatches({id: len}, dp_size, choice.mode, ra2p)
+    ... actor update ...
+    buffer.end_step(now)                                    # TPRM, T_step into the EWMA
+    deficits, _ = readiness_deficits(buffer, now, n_micro_batches=n_mb, times=times,
+                                     ra2p=ra2p, dp_size=dp_size)
+    roles = ers.plan(roles, deficits, step=step, rollout_load=...)
+    for r in roles.ranks_leaving_rollout(old): ctb.remove_rank(r)   # tasks -> paused
+    for r in roles.ranks_joining_rollout(old): ctb.add_rank(r)
+    buffer.notify_rollout_scaled(len(roles.rollout_ranks) - len(old.rollout_ranks))
+    ctb.on_weight_sync(); version += 1
+
+Between steps, rollout events feed `ctb.on_turn_started/on_turn_finished/on_task_finished`
+and `buffer.add_trajectory`, and `ctb.schedule(now, unconsumed_trajectories=...)` returns the
+Admit / Pause / Resume decisions to carry out.
 """
 
 from tide_megatron.core.buffer import (
@@ -37,7 +57,7 @@ from tide_megatron.core.ctb import (
     TaskState,
     TaskStatus,
 )
-from tide_megatron.core.ers import ERSConfig, ERSPlanner
+from tide_megatron.core.ers import ERSConfig, ERSPlanner, readiness_deficits
 from tide_megatron.core.ra2p import (
     MicroBatch,
     MicroBatchPlan,
@@ -71,5 +91,5 @@ __all__ = [
     "RolloutTask", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
     "TrainingBatch", "Trajectory", "break_even_ras", "choose_mode", "colocated_latency",
     "decoupled_latency", "detect_deficits", "group_advantages", "median_interval", "mode_costs",
-    "plan_microbatches", "trainer_roles_for",
+    "plan_microbatches", "readiness_deficits", "trainer_roles_for",
 ]

@@ -30,7 +30,7 @@ import math
 import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Optional
+from typing import Any, Hashable, Optional
 
 from tide_megatron.core.signals import (
     ReadinessEstimate,
@@ -567,7 +567,3 @@ class GlobalBuffer:
             return self._pending[group_id]
         except KeyError:
             raise KeyError(f"group {group_id!r} is not pending") from None
-
-
-def total_tokens(groups: Iterable[CompletedGroup]) -> int:
-    return sum(g.total_tokens for g in groups)

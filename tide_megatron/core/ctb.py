@@ -10,9 +10,11 @@ Paper rules ("Continuous Task Batching") and how they map to this file:
   task's footprint is its actual context, updated at every turn.
 - Admission constraints: environment concurrency (tasks holding an environment, running or
   paused, never exceed the env fleet's capacity); staleness throttling (outstanding training
-  trajectories, i.e. running + paused + finished-but-unconsumed, stay within what the trainer
-  consumes inside the staleness bound, (max_staleness + 1) * B_ideal; this is the bound that
-  keeps dispatched work from going stale before it is trained on); task diversity (a rank that
+  trajectories, i.e. the unfinished tasks of every started group + finished-but-unconsumed
+  ones, stay within what the trainer consumes inside the staleness bound,
+  (max_staleness + 1) * B_ideal, so dispatched work does not go stale before it is trained on;
+  the throttle gates the *start* of a group and books all G of its tasks at once, because
+  throttling inside a group would leave partial groups that can never be trained); task diversity (a rank that
   already holds many tasks of the same type from *other* groups is penalised, spreading
   environment-side stragglers; members of one group are not penalised, they share a prefix).
 - Semantic-aware pausing. P(t) = w1*I_eval + w2*G_completion + w3*I_active + w4*L_context,
@@ -170,6 +172,10 @@ class RankPool:
     accepting: bool = True
     """False while quarantined: no new admissions or resumes."""
     residents: set = field(default_factory=set)
+    type_counts: Counter = field(default_factory=Counter)
+    """Resident tasks per task type (diversity constraint without rescanning residents)."""
+    group_counts: Counter = field(default_factory=Counter)
+    """Resident tasks per group."""
 
     def free(self, used: int) -> int:
         return self.budget - used
@@ -184,6 +190,8 @@ class _Group:
     total: int = 0
     finished: int = 0
     probe_footprint: Optional[int] = None
+    started: bool = False
+    """Some task of the group has been admitted: the whole group is committed work."""
     prefix_ranks: Counter = field(default_factory=Counter)
     queued: "OrderedDict[Hashable, None]" = field(default_factory=OrderedDict)
 
@@ -202,6 +210,12 @@ class CTBScheduler:
         self._ranks: dict[int, RankPool] = {}
         self._used: dict[int, int] = {}
         self._seq = 0
+        # Paused tasks in pause order, and the counts the admission constraints read, kept
+        # incrementally so a schedule() call costs O(decisions x ranks), not O(all tasks).
+        self._paused: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._holding_env = 0
+        self._committed_train = 0
+        """Unfinished tasks of started training groups, queued members included."""
         for r in ranks:
             self.add_rank(r)
 
@@ -223,7 +237,8 @@ class CTBScheduler:
         out = []
         for tid in sorted(pool.residents, key=lambda t: self._tasks[t].seq):
             st = self._tasks[tid]
-            st.state, st.rank, st.active, st.needs_prefill = TaskState.PAUSED, None, False, True
+            st.rank = None
+            self._to_paused(st)
             out.append(Requeue(st.task, rank))
         for g in self._groups.values():
             g.prefix_ranks.pop(rank, None)
@@ -248,6 +263,7 @@ class CTBScheduler:
                 group = self._groups[task.group_id] = _Group(task.group_id, task.task_type, task.is_eval, task.task_id)
             group.total += 1
             group.queued[task.task_id] = None
+            self._committed_train += group.started and not group.is_eval
             self._seq += 1
             self._tasks[task.task_id] = TaskStatus(task, seq=self._seq)
 
@@ -280,6 +296,9 @@ class CTBScheduler:
             group.probe_footprint = context_tokens if context_tokens is not None else st.footprint
         if st.state is TaskState.RUNNING:
             self._evict(st)
+        self._paused.pop(task_id, None)
+        self._holding_env -= 1
+        self._committed_train -= not group.is_eval
         st.state, st.active = TaskState.FINISHED, False
         group.finished += 1
 
@@ -310,7 +329,7 @@ class CTBScheduler:
         del now  # decisions depend on state only; kept for a uniform, clock-passing interface
         decisions: list[Decision] = self._pause_over_budget()
         decisions += self._resume_paused()
-        if not any(st.state is TaskState.PAUSED for st in self._tasks.values()):
+        if not self._paused:
             decisions += self._admit_new(unconsumed_trajectories)
         return decisions
 
@@ -328,13 +347,13 @@ class CTBScheduler:
                 st = self._tasks[tid]
                 prio = self.priority(tid)
                 self._evict(st)
-                st.state, st.active, st.needs_prefill = TaskState.PAUSED, False, True
+                self._to_paused(st)
                 out.append(Pause(st.task, rank, prio))
         return out
 
     def _resume_paused(self) -> list[Decision]:
         out: list[Decision] = []
-        paused = [st for st in self._tasks.values() if st.state is TaskState.PAUSED]
+        paused = [self._tasks[t] for t in self._paused]
         paused.sort(key=lambda st: (-self.priority(st.task.task_id), st.seq))
         for st in paused:
             need = st.footprint
@@ -350,22 +369,28 @@ class CTBScheduler:
                 rank = self._empty_rank_for_oversize(need)
             if rank is None:
                 continue
+            del self._paused[st.task.task_id]
             self._place(st, rank)
             out.append(Resume(st.task, rank, affinity))
         return out
 
     def _admit_new(self, unconsumed_trajectories: int) -> list[Decision]:
         c = self.config
-        holding_env = sum(st.state in (TaskState.RUNNING, TaskState.PAUSED) for st in self._tasks.values())
-        outstanding = unconsumed_trajectories + sum(
-            st.state in (TaskState.RUNNING, TaskState.PAUSED) and not st.task.is_eval for st in self._tasks.values())
+        holding_env = self._holding_env
         train_cap = (c.max_staleness + 1) * c.trainer_batch_trajectories if c.staleness_throttle else None
         out: list[Decision] = []
-        # Eval groups first (they gate the weight sync), then groups in submission order.
-        groups = sorted((g for g in self._groups.values() if g.queued), key=lambda g: not g.is_eval)
+        # Eval groups first (they gate the weight sync), then groups already under way (a group
+        # is only trainable once whole), then new groups, each in submission order.
+        groups = sorted((g for g in self._groups.values() if g.queued), key=lambda g: (not g.is_eval, not g.started))
         for group in groups:
             if holding_env >= c.env_concurrency:
                 break
+            if not group.started and not group.is_eval and train_cap is not None:
+                # The throttle commits whole groups: starting one books all G of its trajectories,
+                # so groups already under way can always finish (no deadlock on partial groups).
+                outstanding = unconsumed_trajectories + self._committed_train
+                if outstanding + group.total > train_cap and outstanding > 0:
+                    continue
             if group.probe_footprint is None:
                 candidates = [group.probe] if group.probe in group.queued else []
             else:
@@ -374,8 +399,6 @@ class CTBScheduler:
                 st = self._tasks[tid]
                 if holding_env >= c.env_concurrency:
                     break
-                if not st.task.is_eval and train_cap is not None and outstanding >= train_cap:
-                    break
                 need = self._estimate(st)
                 rank = self._best_rank(st.task, need)
                 if rank is None:
@@ -383,8 +406,11 @@ class CTBScheduler:
                 st.reserved_tokens = need
                 self._place(st, rank)
                 del group.queued[tid]
+                if not group.started:
+                    group.started = True
+                    self._committed_train += 0 if group.is_eval else group.total - group.finished
+                self._holding_env += 1
                 holding_env += 1
-                outstanding += not st.task.is_eval
                 out.append(Admit(st.task, rank, need))
         return out
 
@@ -406,9 +432,9 @@ class CTBScheduler:
             if not self._fits(r, need):
                 continue
             pool = self._ranks[r]
-            same_type = sum(1 for t in pool.residents
-                            if self._tasks[t].task.task_type == task.task_type
-                            and self._tasks[t].task.group_id != task.group_id)
+            same_type = pool.type_counts[task.task_type]
+            if self._groups[task.group_id].task_type == task.task_type:
+                same_type -= pool.group_counts[task.group_id]
             group_here = self._groups[task.group_id].prefix_ranks.get(r, 0)
             # Group members share a prompt prefix: a small bonus keeps them together.
             score = (pool.free(self._used[r]) / pool.budget - self.config.diversity_penalty * same_type
@@ -428,15 +454,25 @@ class CTBScheduler:
 
     def _place(self, st: TaskStatus, rank: int) -> None:
         st.state, st.rank = TaskState.RUNNING, rank
-        self._ranks[rank].residents.add(st.task.task_id)
+        pool = self._ranks[rank]
+        pool.residents.add(st.task.task_id)
+        pool.type_counts[st.task.task_type] += 1
+        pool.group_counts[st.task.group_id] += 1
         self._used[rank] += st.footprint
         self._groups[st.task.group_id].prefix_ranks[rank] += 1
 
     def _evict(self, st: TaskStatus) -> None:
         if st.rank is not None and st.rank in self._ranks:
-            self._ranks[st.rank].residents.discard(st.task.task_id)
+            pool = self._ranks[st.rank]
+            pool.residents.discard(st.task.task_id)
+            pool.type_counts[st.task.task_type] -= 1
+            pool.group_counts[st.task.group_id] -= 1
             self._used[st.rank] -= st.footprint
         st.rank = None
+
+    def _to_paused(self, st: TaskStatus) -> None:
+        st.state, st.active, st.needs_prefill = TaskState.PAUSED, False, True
+        self._paused[st.task.task_id] = None
 
     def _set_usage(self, st: TaskStatus, context_tokens: int) -> None:
         if context_tokens < 0:
@@ -475,10 +511,19 @@ class CTBScheduler:
         problems = []
         resident_ids: set = set()
         for r, pool in self._ranks.items():
+            types = Counter(self._tasks[t].task.task_type for t in pool.residents)
+            if +pool.type_counts != types:
+                problems.append(f"rank {r}: type counts drifted")
             used = sum(self._tasks[t].footprint for t in pool.residents)
             if used != self._used[r]:
                 problems.append(f"rank {r}: usage {self._used[r]} != residents' footprint {used}")
             resident_ids |= pool.residents
+        holding = [st for st in self._tasks.values() if st.state in (TaskState.RUNNING, TaskState.PAUSED)]
+        committed = sum(g.total - g.finished for g in self._groups.values() if g.started and not g.is_eval)
+        if self._holding_env != len(holding) or self._committed_train != committed:
+            problems.append("incremental env/training counters drifted")
+        if set(self._paused) != {t for t, st in self._tasks.items() if st.state is TaskState.PAUSED}:
+            problems.append("paused index drifted")
         for tid, st in self._tasks.items():
             running = st.state is TaskState.RUNNING
             if running != (tid in resident_ids):

@@ -30,8 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from tide_megatron.core.buffer import GlobalBuffer
+from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig, break_even_ras
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
-from tide_megatron.core.signals import Deficits
+from tide_megatron.core.signals import Deficits, detect_deficits
 
 
 @dataclass
@@ -183,3 +185,18 @@ class ERSPlanner:
     def _extras(self) -> dict[str, float]:
         return {"generation_streak": float(self.generation_streak),
                 "consumption_streak": float(self.consumption_streak)}
+
+
+def readiness_deficits(buffer: GlobalBuffer, now: float, *, n_micro_batches: int, times: MicroBatchTimes,
+                       ra2p: RA2PConfig, dp_size: int) -> tuple[Deficits, float]:
+    """The ERS input at the planning point: (deficits, decoupled break-even RAS).
+
+    Glue for callers that own a `GlobalBuffer`: reads its smoothed estimate and the current
+    head-of-line age, computes the break-even RAS for the smoothed TPRM with RA2P's cost model
+    (`n_micro_batches` per step on `dp_size` actor ranks), and classifies.
+    """
+    estimate = buffer.estimate()
+    be = break_even_ras(estimate.tprm_s, n_micro_batches, times, ra2p, dp_size)
+    deficits = detect_deficits(estimate, buffer.head_of_line_latency(now), b_ideal=buffer.config.b_ideal,
+                               break_even_ras=be, hol_tau=buffer.signals.hol_tau)
+    return deficits, be

@@ -168,10 +168,10 @@ class ReadinessEstimator:
     """Smoothing configuration."""
     history: list[StepReadiness] = field(default_factory=list)
     """Every observed step, oldest first (kept for metrics)."""
-    _ras: float = 0.0
-    _tprm: float = 0.0
-    _step_time: float = 0.0
-    _volume: float = 0.0
+    _ras: float = field(default=0.0, init=False, repr=False)
+    _tprm: float = field(default=0.0, init=False, repr=False)
+    _step_time: float = field(default=0.0, init=False, repr=False)
+    _volume: float = field(default=0.0, init=False, repr=False)
 
     def observe(self, step: StepReadiness) -> ReadinessEstimate:
         a = self.config.ewma_alpha

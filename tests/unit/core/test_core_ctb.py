@@ -320,3 +320,20 @@ def test_random_rollout_never_overfills_ranks_and_never_loses_tasks(seed, n_rank
         assert sum(len(v) for v in by_state.values()) == len(submitted)
         assert by_state[TaskState.FINISHED] == finished
         assert s.audit() == []
+
+
+def test_throttle_gates_whole_groups_and_started_groups_finish_first():
+    # Cap (0 + 1) * 8 = 8 trajectories: exactly two groups of 4 may be under way.
+    s = sched(max_staleness=0, trainer_batch_trajectories=8)
+    for g in "abc":
+        s.submit(group(g, 4, prompt=100))
+    assert admitted(s.schedule(0.0)) == ["a/0", "b/0"]     # probes of two groups; c is throttled
+    s.on_turn_finished("a/0", 400)
+    s.on_turn_finished("b/0", 400)
+    ds = admitted(s.schedule(1.0, unconsumed_trajectories=0))
+    assert ds == ["a/1", "a/2", "a/3", "b/1", "b/2", "b/3"]  # members of started groups: never throttled
+    for tid in ("a/0", "a/1", "a/2", "a/3"):
+        s.on_task_finished(tid)
+    # a's 4 trajectories now sit unconsumed in the buffer: still no room for c.
+    assert admitted(s.schedule(2.0, unconsumed_trajectories=4)) == []
+    assert admitted(s.schedule(3.0, unconsumed_trajectories=0)) == ["c/0"]
