@@ -14,9 +14,10 @@ Paper rules ("Continuous Task Batching") and how they map to this file:
   ones, stay within what the trainer consumes inside the staleness bound,
   (max_staleness + 1) * B_ideal, so dispatched work does not go stale before it is trained on;
   the throttle gates the *start* of a group and books all G of its tasks at once, because
-  throttling inside a group would leave partial groups that can never be trained); task diversity (a rank that
-  already holds many tasks of the same type from *other* groups is penalised, spreading
-  environment-side stragglers; members of one group are not penalised, they share a prefix).
+  throttling inside a group would leave partial groups that can never be trained); task
+  diversity (a rank that already holds many tasks of the same type from *other* groups is
+  penalised, spreading environment-side stragglers; members of one group are not penalised,
+  they share a prefix).
 - Semantic-aware pausing. P(t) = w1*I_eval + w2*G_completion + w3*I_active + w4*L_context,
   L_context normalised to [0, 1]. When a rank's resident footprint exceeds its budget
   (contexts grow every turn) the lowest-priority tasks are paused until it fits again. The
@@ -214,8 +215,7 @@ class CTBScheduler:
         # incrementally so a schedule() call costs O(decisions x ranks), not O(all tasks).
         self._paused: "OrderedDict[Hashable, None]" = OrderedDict()
         self._holding_env = 0
-        self._committed_train = 0
-        """Unfinished tasks of started training groups, queued members included."""
+        self._committed_train = 0  # unfinished tasks of started training groups, queued ones included
         for r in ranks:
             self.add_rank(r)
 
