@@ -24,6 +24,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -331,18 +332,31 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-async def serve(cfg: EnvServerConfig, ready: Callable[[str, int], None] | None = None) -> None:
-    """Run a server until SIGTERM or SIGINT, then close every session."""
+async def serve(cfg: EnvServerConfig, ready: Callable[[str, int], None] | None = None, exit_with_parent: bool = False) -> None:
+    """Run a server until SIGTERM or SIGINT (or, with `exit_with_parent`, until the process
+    that started it is gone), then close every session."""
     server = EnvServer(cfg)
     host, port = await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch_parent(stop)) if exit_with_parent else None
     if ready is not None:
         ready(host, port)
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     await server.stop()
+
+
+async def _watch_parent(stop: asyncio.Event) -> None:
+    # A launcher killed with SIGKILL cannot stop its embedded server; reparenting tells us.
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    logger.warning("parent process %d is gone; stopping", parent)
+    stop.set()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--config-file", help="path of a JSON file holding an EnvServerConfig")
     parser.add_argument("--host", help="override the config's host")
     parser.add_argument("--port", type=int, help="override the config's port")
+    parser.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process exits")
     args = parser.parse_args(argv)
     data: dict[str, Any] = {}
     if args.config_json:
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     def ready(host: str, port: int) -> None:
         print(READY_PREFIX + json.dumps({"host": host, "port": port}), flush=True)
 
-    asyncio.run(serve(cfg, ready))
+    asyncio.run(serve(cfg, ready, exit_with_parent=args.exit_with_parent))
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ class EnvServerProcess:
     def start(self) -> EnvServerProcess:
         if self._proc is not None:
             raise RuntimeError("env server process already started")
-        cmd = [sys.executable, "-m", "tide_megatron.envs.server", "--config-json", json.dumps(config_to_dict(self.server_cfg))]
+        cmd = [sys.executable, "-m", "tide_megatron.envs.server", "--config-json", json.dumps(config_to_dict(self.server_cfg)),
+               "--exit-with-parent"]
         stderr = None
         if self.process_cfg.log_path:
             self._log = open(self.process_cfg.log_path, "ab")

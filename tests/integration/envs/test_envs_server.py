@@ -153,3 +153,29 @@ def test_sigterm_stops_the_server_cleanly():
         assert proc.address in str(e.value) and "step(session=" in str(e.value)
         await client.close()
     asyncio.run(main())
+
+
+def test_embedded_server_exits_when_its_launcher_is_killed():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    launcher = (
+        "import os, signal\n"
+        "from tide_megatron.envs import EnvServerConfig, EnvServerProcess\n"
+        "p = EnvServerProcess(EnvServerConfig()).start()\n"
+        "print(p.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"  # no chance to stop() the server
+    )
+    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=60)
+    server_pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(server_pid, 9)
+    pytest.fail("orphaned env server kept running after its launcher died")

@@ -77,3 +77,21 @@ def test_every_config_field_has_a_docstring():
             if isinstance(node, ast.AnnAssign):
                 nxt = body[i + 1] if i + 1 < len(body) else None
                 assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), f"{cls.name}.{node.target.id}"
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(req_id=st.integers(0, 2**53), op=st.text(), args=st.dictionaries(st.text(), _json, max_size=5))
+def test_any_json_request_round_trips_on_one_ascii_line(req_id, op, args):
+    line = encode_request(Request(req_id, op, args))
+    assert line.isascii() and line.count(b"\n") == 1
+    assert decode_request(line) == Request(req_id, op, args)
