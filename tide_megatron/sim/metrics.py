@@ -60,6 +60,8 @@ class RunMetrics:
     twt_rank_s: float = 0.0
     rwt_rank_s: float = 0.0
     role_changes: int = 0
+    ers_log: List[tuple] = field(default_factory=list)
+    """(step, RAS, TPRM, break-even RAS, generation deficit, consumption deficit, reason)."""
     # filled by finish()
     sim_time_s: float = 0.0
     goodput: float = 0.0
@@ -77,6 +79,7 @@ class RunMetrics:
     mean_step_s: float = 0.0
     wall_s: float = 0.0
     events: int = 0
+    trajectories_finished: int = 0
 
     def finish(self, sim, end_time: float, wall_s: float) -> None:
         ledger = sim.buffer.ledger
@@ -97,6 +100,7 @@ class RunMetrics:
         self.mean_step_s = end_time / len(self.steps) if self.steps else 0.0
         self.wall_s = wall_s
         self.events = sim.loop.events_processed
+        self.trajectories_finished = sim.trajectories_finished
         self.ideal_goodput = ideal_goodput(sim)
 
     @property
@@ -108,7 +112,7 @@ class RunMetrics:
         keys = ["mode", "n_gpus", "n_ranks", "sim_time_s", "goodput", "ideal_goodput", "consumed_tokens",
                 "dropped_stale_tokens", "lost_tokens", "eval_tokens", "generated_tokens", "kv_hit_rate",
                 "recompute_tokens", "pauses", "migrations", "evictions", "mean_step_s", "twt_rank_s",
-                "rwt_rank_s", "role_changes", "wall_s", "events"]
+                "rwt_rank_s", "role_changes", "wall_s", "events", "trajectories_finished"]
         out = {k: getattr(self, k) for k in keys}
         out["steps_done"] = len(self.steps)
         out["fraction_of_ideal"] = self.goodput / self.ideal_goodput if self.ideal_goodput else 0.0
@@ -118,6 +122,7 @@ class RunMetrics:
         d = self.summary()
         d["steps"] = [dict(asdict(s), duration=s.duration) for s in self.steps]
         d["roles"] = [list(r) for r in self.roles]
+        d["ers_log"] = [list(r) for r in self.ers_log]
         return d
 
 

@@ -92,6 +92,7 @@ class Simulator:
         self.version = 0
         self.groups: Dict[int, Group] = {}
         self.train_groups_started = 0
+        self.trajectories_finished = 0
         self.eval_outstanding = 0
         self.eval_pending_phase = False
         self.metrics = RunMetrics(mode=self._label(), n_gpus=cfg.n_gpus, n_ranks=self.n_ranks)
@@ -157,6 +158,7 @@ class Simulator:
             prompt_tokens=traj.total_tokens - traj.generated_tokens, generated_tokens=traj.generated_tokens,
             reward=float(traj.traj_id % 3 == 0), started_at=traj.start_time, finished_at=now,
             is_eval=traj.is_eval, payload=traj)
+        self.trajectories_finished += 1
         group = self.groups[traj.group_id]
         group.done += 1
         if traj.is_eval:
@@ -318,8 +320,17 @@ class Simulator:
             busy_until = self.loop.now
             wait_total = compute = 0.0
             b_min = self.buffer.config.b_min
+            mb_volume = dp * self.ra2p_cfg.tokens_per_rank
             while consumed < self.B:
                 ready = self.buffer.ready_trajectories()
+                if ready and not vanilla and self.buffer.ready_tokens() < mb_volume and \
+                        ready < self.B - consumed and self.loop.now >= busy_until:
+                    # RA2P forms saturating micro-batches: accumulate until one is full (or the
+                    # remainder of the batch is all that is left to come)
+                    wait_total += yield from self._wait_for(
+                        lambda: self.buffer.ready_tokens() >= mb_volume
+                        or self.buffer.ready_trajectories() >= self.B - consumed, "micro-batch")
+                    continue
                 if ready == 0:
                     if self.elastic and consumed >= b_min and self.loop.now >= busy_until:
                         break  # elastic batch: train on what arrived instead of idling
@@ -382,6 +393,8 @@ class Simulator:
                                    break_even_ras=be, hol_tau=self.cfg.scheduler.ers_tau)
         load = {r: float(self.cluster.ranks[r].footprint) for r in self.cluster.active}
         plan = self.ers.plan(self.plan, deficits, step=step, eval_phase=False, rollout_load=load)
+        self.metrics.ers_log.append((step, est.ras, est.tprm_s, be, deficits.generation, deficits.consumption,
+                                     plan.reason))
         if not self.cfg.scheduler.ra2p and plan.mode is RA2PMode.DECOUPLED:
             plan = self.plan  # without RA2P there is no decoupled mode to move to
         stall = 0.0
