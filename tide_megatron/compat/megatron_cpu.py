@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -106,8 +107,6 @@ class CpuEvent:
         self._recorded_at: float | None = None
 
     def record(self, stream: CpuStream | None = None) -> None:
-        import time
-
         self._recorded_at = time.perf_counter()
 
     def wait(self, stream: CpuStream | None = None) -> None:
