@@ -6,8 +6,9 @@ Layout under a root directory:
     root/latest           text file: the name of the newest complete step directory
 
 `latest` is written by rank 0 after every rank has finished writing (a barrier), via an atomic
-rename, so a crash mid-save leaves the previous checkpoint as the one to resume from. Sharded
-checkpoints load under a different TP size too (dist_checkpointing reshards).
+rename, so a crash mid-save leaves the previous checkpoint as the one to resume from. The
+format is dist_checkpointing's, which can reshard to another TP size on load; the tests cover
+save/load at the same TP size only (TP=1 and TP=2).
 """
 
 from __future__ import annotations
