@@ -7,7 +7,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["tide_megatron", "tide_megatron.*", "sglang_patches", "sglang_patches.*"]),
-    package_data={"tide_megatron": ["assets/*"]},
+    package_data={"tide_megatron": ["assets/*/*"]},
     # The CPU stack is pinned in requirements/cpu.lock and installed --no-deps by
     # scripts/setup_env.sh; these ranges only document what the code needs.
     install_requires=[

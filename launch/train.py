@@ -5,8 +5,10 @@ Every rank composes the same config; rank 0 runs the controller. See README.md.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
 
@@ -14,6 +16,8 @@ import hydra  # noqa: E402
 from hydra_schema import CONFIG_DIR, register, to_job_config  # noqa: E402
 
 register()
+# `kill -USR1 <pid>` prints every thread's stack: the first tool for a hung rank.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")

@@ -17,7 +17,7 @@ from typing import Any
 
 from tide_megatron.config import JobConfig, validate
 from tide_megatron.controller.mailbox import Mailbox
-from tide_megatron.controller.topology import Topology, init_topology
+from tide_megatron.controller.topology import Topology, close_topology, init_topology
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class Job:
     def _run_trainer(self) -> None:
         from tide_megatron.controller.trainer_rank import TrainerRank
 
-        trainer = TrainerRank(self.cfg.trainer, self.model_path, self.topo.rank, self.checkpoint_root)
+        trainer = TrainerRank(self.cfg.trainer, self.model_path, self.topo.rank, self.checkpoint_root,
+                              self.topo.job_group)
         run = self.cfg.run
         start_step = 0
         if run.resume or run.resume_from:
@@ -171,7 +172,7 @@ class Job:
         client = EnvClient(self._client_config())
         runner = TaskRunner(cfg.rollout.runner, engine, build_chat(self.model_path, cfg.rollout.runner.system_prompt),
                             client)
-        worker = RolloutWorker(self.topo.rank, engine, runner, self.mailbox)
+        worker = RolloutWorker(self.topo.rank, engine, runner, self.mailbox, self.topo.job_group)
         engine.loop.run_until_complete(client.connect())
         try:
             worker.run()
@@ -187,7 +188,4 @@ class Job:
                 logger.exception("while closing %r", closer)
         if self._env_server is not None:
             self._env_server.stop()
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_topology(self.topo)

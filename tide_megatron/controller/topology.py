@@ -1,22 +1,22 @@
 """Processes and process groups of a job: who is rollout, who trains, who controls.
 
 torchrun starts W ranks. Rank 0 always trains and also runs the controller. The last
-`cluster.rollout_ranks` ranks start as rollout; the others train. All groups are made
-here, once, at start-up (creating a group is collective over the whole world, so it
-cannot happen later on a subset of ranks without stalling the others):
+`cluster.rollout_ranks` ranks start as rollout; the others train. Every group is made
+here, once, at start-up, from the job's rendezvous store:
 
-- the world gloo group carries control traffic and the weight broadcast, in which every
-  rank takes part, so a rank that changes role never needs a new group to receive weights;
-- Megatron's model-parallel groups span the trainer ranks only. Megatron derives its
-  groups from `torch.distributed.get_world_size()`, so while they are made that call
-  answers the trainer count; trainer ranks come first, so Megatron's rank lists are
-  already the global ranks. Rollout ranks take part in the (collective) creation and
-  belong to none of them.
+- the trainer world: torch.distributed's default group spans the trainer ranks only.
+  Megatron-core runs collectives on the default group in places (optimizer param groups,
+  dist_checkpointing barriers), so rollout ranks must not be in it. Trainer ranks come
+  first, so a trainer's rank in that world is its global rank. Rollout ranks have no
+  default group at all, which also keeps torch.distributed out of SGLang's way.
+- the job group: a gloo group over all W ranks, held as an object (not registered as a
+  default), for the weight broadcast. Every rank is in it, so a rank that changes role
+  later needs no new group to send or receive weights.
+- control messages go through the store itself (see `mailbox.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -30,16 +30,6 @@ from tide_megatron.core.roles import Role
 logger = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _world_size_seen_by_megatron(n: int):
-    real = dist.get_world_size
-    dist.get_world_size = lambda group=None: n if group is None else real(group)
-    try:
-        yield
-    finally:
-        dist.get_world_size = real
-
-
 @dataclass
 class Topology:
     """This rank's place in the job."""
@@ -49,6 +39,9 @@ class Topology:
     trainer_ranks: list[int]
     rollout_ranks: list[int]
     store: dist.Store
+    """The job's key-value store (torchrun's rendezvous store), under a `tide/` prefix."""
+    job_group: dist.ProcessGroup
+    """gloo over every rank of the job: the weight broadcast."""
 
     @property
     def role(self) -> Role:
@@ -71,35 +64,35 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, timeout_s: float 
             "launch/train.py must run under torchrun (it needs RANK, WORLD_SIZE, MASTER_ADDR): "
             "torchrun --nproc-per-node 2 launch/train.py +recipe=tiny_cpu"
         )
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     n_train = world - rollout_ranks
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     topo = Topology(
         rank=rank,
         world_size=world,
         trainer_ranks=list(range(n_train)),
         rollout_ranks=list(range(n_train, world)),
-        store=_default_store(),
+        store=dist.PrefixStore("tide", store),
+        job_group=dist.ProcessGroupGloo(dist.PrefixStore("tide/job_group", store), rank, world, timeout),
     )
-    with _world_size_seen_by_megatron(n_train):
-        if topo.trains:
-            from tide_megatron.models.megatron_gpt import init_parallel
+    if topo.trains:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("tide/trainers", store),
+                                rank=rank, world_size=n_train, timeout=timeout)
+        from tide_megatron.models.megatron_gpt import init_parallel
 
-            init_parallel(tp_size=tp_size, seed=seed)
-        else:
-            from megatron.core import parallel_state
-
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        init_parallel(tp_size=tp_size, seed=seed)
     logger.info("rank %d/%d: %s", rank, world, topo.role.name)
     return topo
 
 
-def _default_store() -> dist.Store:
-    """The job's key-value store (torchrun's rendezvous store), prefixed per job."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return dist.PrefixStore("tide", _get_default_store())
+def close_topology(topo: Topology) -> None:
+    """Tear the groups down in order (an unowned gloo group aborts the process at exit)."""
+    if hasattr(topo.job_group, "shutdown"):
+        topo.job_group.shutdown()
+    topo.job_group = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

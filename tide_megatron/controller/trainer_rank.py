@@ -37,8 +37,9 @@ def to_train_trajectory(data: dict[str, Any]) -> TrainTrajectory:
 
 
 class TrainerRank:
-    def __init__(self, trainer_cfg: TrainerConfig, model_path: str, rank: int, checkpoint_root: str):
+    def __init__(self, trainer_cfg: TrainerConfig, model_path: str, rank: int, checkpoint_root: str, job_group):
         self.cfg = trainer_cfg
+        self.job_group = job_group
         self.rank = rank
         self.checkpoint_root = checkpoint_root
         model_cfg = ModelConfig.from_hf_checkpoint(model_path)
@@ -68,7 +69,7 @@ class TrainerRank:
         manifest, flat = weight_sync.pack(named, version)
         for dest in range(1, world_size):
             mailbox.post(dest, "weights", manifest=manifest.to_json())
-        _, seconds = weight_sync.broadcast_flat(flat, manifest)
+        _, seconds = weight_sync.broadcast_flat(self.job_group, flat, manifest)
         return seconds
 
     def save(self) -> str:
@@ -91,7 +92,7 @@ class TrainerRank:
                 elif kind == "push_weights":
                     self.push_weights(int(msg["version"]), None, 0)
                 elif kind == "weights":  # the broadcast itself; trainers drop the buffer
-                    weight_sync.broadcast_flat(None, weight_sync.WeightManifest.from_json(msg["manifest"]))
+                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg["manifest"]))
                 elif kind == "save":
                     self.save()
                 elif kind == "load":

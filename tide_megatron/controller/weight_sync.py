@@ -2,7 +2,7 @@
 
 At the weight-sync boundary the trainer gathers its (TP-sharded) weights into Hugging Face
 tensors on rank 0; rank 0 packs them into one flat buffer per dtype and broadcasts it
-over the world gloo group (one collective instead of one per tensor); each rollout rank
+over the job's gloo group (one collective instead of one per tensor); each rollout rank
 unpacks views into the flat buffer and hands them to its engine, which loads them in
 place. Every rank takes part in the broadcast (see `topology.py`), so role changes
 need no new group; trainer ranks other than 0 receive and drop the buffer.
@@ -71,10 +71,11 @@ def unpack(manifest: WeightManifest, flat: torch.Tensor) -> list[tuple[str, torc
     return out
 
 
-def broadcast_flat(flat: torch.Tensor | None, manifest: WeightManifest, src: int = 0) -> tuple[torch.Tensor, float]:
-    """The broadcast every rank joins. Returns the buffer and seconds spent."""
+def broadcast_flat(group: dist.ProcessGroup, flat: torch.Tensor | None, manifest: WeightManifest,
+                   src: int = 0) -> tuple[torch.Tensor, float]:
+    """The broadcast every rank of `group` joins. Returns the buffer and seconds spent."""
     if flat is None:
         flat = torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype])
     t0 = time.perf_counter()
-    dist.broadcast(flat, src=src)
+    group.broadcast(flat, src).wait()
     return flat, time.perf_counter() - t0

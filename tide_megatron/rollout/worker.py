@@ -27,8 +27,9 @@ POLL_INTERVAL_S = 0.02
 
 
 class RolloutWorker:
-    def __init__(self, rank: int, engine: RolloutEngine, runner: TaskRunner, mailbox: Mailbox):
+    def __init__(self, rank: int, engine: RolloutEngine, runner: TaskRunner, mailbox: Mailbox, job_group):
         self.rank = rank
+        self.job_group = job_group
         self.engine = engine
         self.runner = runner
         self.mailbox = mailbox
@@ -88,7 +89,7 @@ class RolloutWorker:
 
     async def _load_weights(self, manifest: weight_sync.WeightManifest) -> None:
         loop = asyncio.get_running_loop()
-        flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, None, manifest)
+        flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
         t0 = time.perf_counter()
         await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
         busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
