@@ -154,11 +154,6 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     """Checks that need more than one field; raises ValueError naming the keys."""
     if cfg.scheduler.mode not in SCHEDULER_MODES:
         raise ValueError(f"scheduler.mode={cfg.scheduler.mode!r}: expected one of {SCHEDULER_MODES}")
-    if cfg.scheduler.mode not in IMPLEMENTED_MODES:
-        raise ValueError(
-            f"scheduler.mode={cfg.scheduler.mode!r} is not available in the real system yet "
-            f"(available: {IMPLEMENTED_MODES}); the simulator runs every mode"
-        )
     trainers = world_size - cfg.cluster.rollout_ranks
     if cfg.cluster.rollout_ranks < 1 or trainers < 1:
         raise ValueError(
@@ -175,4 +170,13 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError(
             f"envs.train_env={cfg.envs.train_env!r} is not served; envs.server.envs offers "
             f"{sorted(e.key for e in cfg.envs.server.envs)}"
+        )
+
+
+def check_runnable(cfg: JobConfig) -> None:
+    """What the real system cannot run yet, said before any process group is made."""
+    if cfg.scheduler.mode not in IMPLEMENTED_MODES:
+        raise ValueError(
+            f"scheduler.mode={cfg.scheduler.mode!r} is not available in the real system yet "
+            f"(available: {IMPLEMENTED_MODES}); launch/simulate.py runs every mode"
         )

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from tide_megatron.config import JobConfig, validate
+from tide_megatron.config import JobConfig, check_runnable, validate
 from tide_megatron.controller.mailbox import Mailbox
 from tide_megatron.controller.topology import Topology, close_topology, init_topology
 
@@ -31,6 +31,7 @@ class Job:
         self.cfg = cfg
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world)
+        check_runnable(cfg)
         self.topo: Topology = init_topology(cfg.cluster.rollout_ranks, cfg.trainer.tp_size, cfg.run.seed)
         self.mailbox = Mailbox(self.topo.store, self.topo.rank)
         self._env_server = None
