@@ -140,23 +140,35 @@ class MegatronActor:
         Leaves the step's gradient (token mean over all micro-batches and DP ranks) in the DDP
         grad buffers (`param.main_grad`). Returns Megatron's per-micro-batch metric dicts.
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         if self.cfg.kl_coef != 0.0 and any(mb.ref_logprobs is None for mb in micro_batches):
             raise ValueError("kl_coef != 0: every micro-batch needs ref_logprobs (or a pending handle)")
+        return self.forward_backward_iter(iter(micro_batches), len(micro_batches))
+
+    def forward_backward_iter(self, data_iterator: Iterator[MicroBatch], num_micro_batches: int) -> list[dict]:
+        """`forward_backward` over micro-batches pulled lazily from `data_iterator`.
+
+        Megatron's schedule calls `next(data_iterator)` right before each micro-batch's forward,
+        after the previous micro-batch's backward, so the iterator may produce a micro-batch (and
+        its reference log-probs) just in time: RA2P's colocated executors swap the Ref in and
+        out inside it. Each micro-batch it yields must carry `ref_logprobs` when `kl_coef != 0`.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if num_micro_batches <= 0:
+            raise ValueError("a step needs at least one micro-batch")
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         forward_backward = get_forward_backward_func()
         return forward_backward(
             forward_step_func=self._forward_step,
-            data_iterator=iter(micro_batches),
+            data_iterator=data_iterator,
             model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb.token_ids.shape[1] for mb in micro_batches),  # unused without PP
-            micro_batch_size=micro_batches[0].token_ids.shape[0],  # unused without PP
+            num_microbatches=num_micro_batches,
+            seq_length=1,  # unused without PP
+            micro_batch_size=1,  # unused without PP
             forward_only=False,
         )
 
@@ -167,7 +179,14 @@ class MegatronActor:
         (`ReferenceModel.attach_logprobs`); with `loss_in_backward`, `ref_logprobs` may instead
         be a pending handle (`loss_in_backward.PendingLogprobs`) resolved during backward.
         """
-        reports = self.forward_backward(micro_batches)
+        return self.optimizer_step(self.forward_backward(micro_batches))
+
+    def train_step_iter(self, data_iterator: Iterator[MicroBatch], num_micro_batches: int) -> StepResult:
+        """`train_step` over lazily produced micro-batches (see `forward_backward_iter`)."""
+        return self.optimizer_step(self.forward_backward_iter(data_iterator, num_micro_batches))
+
+    def optimizer_step(self, reports: list[dict]) -> StepResult:
+        """The optimizer step after a forward/backward pass; reduces its metric reports."""
         update_successful, grad_norm, _ = self.optimizer.step()
         self.step += 1
         totals = self._reduce_reports(reports)
