@@ -1,0 +1,69 @@
+"""Control messages through a key-value store, and the packing of weights for the broadcast."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from tide_megatron.controller.mailbox import Mailbox
+from tide_megatron.controller.weight_sync import WeightManifest, pack, unpack
+
+
+def test_messages_arrive_in_order_once():
+    store = dist.HashStore()
+    rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
+    for i in range(5):
+        rank0.post(1, "task", i=i)
+    rank1.post(0, "ready")
+    got = rank1.poll()
+    assert [m["i"] for m in got] == list(range(5)) and all(m["src"] == 0 for m in got)
+    assert rank1.poll() == []
+    assert rank0.poll() == [{"kind": "ready", "src": 1}]
+
+
+def test_concurrent_senders_lose_nothing():
+    store = dist.HashStore()
+    inbox = Mailbox(store, 0)
+    senders = [Mailbox(store, r) for r in (1, 2, 3)]
+
+    def send(mb):
+        for i in range(50):
+            mb.post(0, "trajectory", i=i)
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in senders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = inbox.poll()
+    assert len(got) == 150
+    for src in (1, 2, 3):
+        assert [m["i"] for m in got if m["src"] == src] == list(range(50))  # per-sender order
+
+
+def test_poll_limit_keeps_the_rest():
+    store = dist.HashStore()
+    a, b = Mailbox(store, 0), Mailbox(store, 1)
+    for i in range(4):
+        a.post(1, "x", i=i)
+    assert [m["i"] for m in b.poll(limit=3)] == [0, 1, 2]
+    assert [m["i"] for m in b.poll()] == [3]
+
+
+def test_pack_unpack_round_trip():
+    named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.randn(4)), ("c", torch.randn(2, 2, 2))]
+    manifest, flat = pack(named, version=7)
+    assert flat.numel() == manifest.numel == 12 + 4 + 8
+    again = WeightManifest.from_json(manifest.to_json())
+    for (name, t), (name2, t2) in zip(named, unpack(again, flat.clone())):
+        assert name == name2 and torch.equal(t, t2)
+    assert again.version == 7
+
+
+def test_pack_refuses_mixed_dtypes():
+    import pytest
+
+    with pytest.raises(ValueError, match="expected every tensor"):
+        pack([("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], 0)

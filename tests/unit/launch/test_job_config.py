@@ -1,0 +1,95 @@
+"""Hydra composition of the job config: recipes, overrides, and the errors users see."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "launch"))
+import hydra_schema  # noqa: E402
+
+from tide_megatron.config import JobConfig, check_runnable, validate  # noqa: E402
+
+
+@pytest.fixture()
+def compose_job():
+    hydra_schema.register()
+    GlobalHydra.instance().clear()
+
+    def _compose(*overrides: str) -> JobConfig:
+        with initialize_config_dir(config_dir=hydra_schema.CONFIG_DIR, version_base="1.3"):
+            return hydra_schema.to_job_config(compose(config_name="config", overrides=list(overrides)))
+
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+def test_no_recipe_is_the_tiny_cpu_run(compose_job):
+    job = compose_job()
+    assert isinstance(job, JobConfig)
+    assert job.run.name == "tiny_cpu" and job.scheduler.mode == "sync" and job.rollout.engine.device == "cpu"
+    assert job.run.output_dir == "outputs/tiny_cpu"  # interpolation resolved
+
+
+@pytest.mark.parametrize("recipe,world", [("tiny_cpu", 2), ("webshop_qwen2_5_7b", 32), ("osworld_qwen3vl", 32)])
+def test_recipes_compose_and_validate(compose_job, recipe, world):
+    job = compose_job(f"+recipe={recipe}")
+    assert job.run.name == recipe
+    validate(job, world)
+
+
+def test_real_recipes_say_what_is_not_runnable_yet(compose_job):
+    job = compose_job("+recipe=webshop_qwen2_5_7b")
+    with pytest.raises(ValueError, match="scheduler.mode='tide' is not available"):
+        check_runnable(job)
+
+
+def test_overrides_reach_the_dataclasses(compose_job):
+    job = compose_job("+recipe=tiny_cpu", "trainer.lr=3e-4", "scheduler.group_size=8", "run.name=x")
+    assert job.trainer.lr == 3e-4 and job.scheduler.group_size == 8 and job.run.output_dir == "outputs/x"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.no_such_key=1", "no_such_key"),
+    ("run.steps=many", "run.steps"),
+    ("+recipe=no_such_recipe", "recipe/no_such_recipe"),
+])
+def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
+    with pytest.raises(Exception) as info:
+        compose_job(override)
+    text = str(info.value) + str(getattr(info.value, "__cause__", ""))
+    assert message in text
+
+
+@pytest.mark.parametrize("override,world,message", [
+    ("cluster.rollout_ranks=2", 2, "cluster.rollout_ranks=2"),
+    ("trainer.tp_size=2", 2, "trainer.tp_size=2"),
+    ("scheduler.group_size=1", 2, "group_size"),
+    ("envs.train_env=nope", 2, "envs.train_env='nope'"),
+    ("scheduler.mode=fast", 2, "scheduler.mode='fast'"),
+])
+def test_validate_names_the_offending_keys(compose_job, override, world, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        validate(compose_job(override), world)
+
+
+def test_cfg_job_prints_the_composed_real_recipe():
+    out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "+recipe=osworld_qwen3vl", "--cfg", "job"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "name: osworld_qwen3vl" in out.stdout and "train_env: osworld" in out.stdout
+
+
+def test_train_outside_torchrun_says_how_to_launch(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu",
+                          f"run.output_dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode != 0
+    assert "torchrun" in out.stderr
