@@ -19,4 +19,6 @@ setup(
         "gpu": ["torch", "megatron-core==0.16.1", "transformer-engine[pytorch]", "sglang==0.5.23"],
         "test": ["pytest", "hypothesis"],
     },
+    # SGLang loads general plugins from this group in every process, the scheduler's included.
+    entry_points={"sglang.srt.plugins": ["tide_ctb = sglang_patches.plugin:load"]},
 )

@@ -119,7 +119,7 @@ class ModelOffloader:
 
     def _tensors(self) -> Iterable[torch.Tensor]:
         cfg = self.cfg
-        for param in self.module.parameters():
+        for param in torch.nn.Module.parameters(self.module):
             if cfg.params:
                 yield param
             if cfg.grads:
@@ -127,7 +127,8 @@ class ModelOffloader:
                     if isinstance(grad, torch.Tensor):
                         yield grad
         if cfg.buffers:
-            yield from self.module.buffers()
+            # Unbound: Megatron DDP shadows `buffers` with its list of param/grad buffers.
+            yield from torch.nn.Module.buffers(self.module)
         if cfg.optimizer_state:
             yield from self._optimizer_tensors()
 

@@ -1,0 +1,199 @@
+"""CTB vs request-level scheduling on the real SGLang engine (CPU): KV prefix-cache hit rate,
+generation throughput and step duration for many concurrent multi-turn tasks.
+
+Two in-process SGLang engines (rollout ranks) serve a tiny random Qwen2 (2 layers, h64, tiny
+BPE tokenizer); door-game tasks run against the env server with emulated latency, so tasks
+wait for their env between turns; each engine's KV pool holds well under the working set.
+The same tasks (same seed) run twice on the same engines (cache flushed in between):
+  vanilla: every task dispatched at once, whole context resent each turn (request level);
+  ctb:     CTBDispatcher (token-aware admission, pausing, resumption, sessions) + the
+           `tide_ctb` SGLang plugin in each scheduler.
+Hit rate = sum(cached_tokens) / sum(prompt_tokens) over all turns; the ideal re-uses every
+token of a task's earlier turns (all but each turn's new observation) and, for every member of
+a GRPO group after the first, the group's shared prompt.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py            # ~5 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py --tasks 32 --no-write   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ctb_kv.json")
+
+
+def ideal_cached(token_ids: list[int], loss_mask: list[int]) -> tuple[int, int]:
+    """(ideal cached tokens, context tokens) summed over a trajectory's turns.
+
+    Turn k's context is everything before its action; ideally all of it but the newest
+    observation (everything up to the end of action k-1) is already in the cache."""
+    starts, ends = [], []
+    for i, m in enumerate(loss_mask):
+        if m and (i == 0 or not loss_mask[i - 1]):
+            starts.append(i)
+        if m and (i + 1 == len(loss_mask) or not loss_mask[i + 1]):
+            ends.append(i + 1)
+    context = sum(starts)
+    cached = sum(ends[k - 1] for k in range(1, len(starts)))
+    return cached, context
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarize(name: str, trajectories: list, wall_s: float, dispatcher) -> dict:
+    prompt = sum(t.prompt_tokens for t in trajectories)
+    cached = sum(t.cached_tokens for t in trajectories)
+    generated = sum(t.generated_tokens for t in trajectories)
+    ideal_c = ideal_ctx = 0
+    first_prompt: dict = {}
+    for t in sorted(trajectories, key=lambda t: (t.group_id, t.index)):
+        c, x = ideal_cached(t.token_ids, t.loss_mask)
+        ideal_c, ideal_ctx = ideal_c + c, ideal_ctx + x
+        # Members of a GRPO group share their prompt: after the first, it is ideally cached too.
+        prompt = t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
+        if t.group_id in first_prompt:
+            ideal_c += _common_prefix(first_prompt[t.group_id], prompt)
+        else:
+            first_prompt[t.group_id] = prompt
+    return {
+        "mode": name,
+        "tasks": len(trajectories),
+        "turns": sum(t.turns for t in trajectories),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "generated_tokens": generated,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ideal_hit_rate": ideal_c / ideal_ctx if ideal_ctx else 0.0,
+        "gen_tokens_per_s": generated / wall_s,
+        "step_duration_s": wall_s,
+        "mean_reward": sum(t.reward for t in trajectories) / len(trajectories),
+        "pauses": sum(int(t.info.get("ctb_pauses", 0)) for t in trajectories),
+        "moves": sum(int(t.info.get("ctb_moves", 0)) for t in trajectories),
+        "dispatcher": dict(dispatcher.stats),
+        "engine_reports": {str(r): {k: v for k, v in rep.items() if k != "hooks_called"}
+                           for r, rep in dispatcher.rank_kv.items()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", type=int, default=128, help="trajectories (group size --group)")
+    p.add_argument("--group", type=int, default=4, help="GRPO group size")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--kv-tokens", type=int, default=2048, help="KV pool (max_total_tokens) per engine")
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--step-median-s", type=float, default=0.3, help="env step latency median")
+    p.add_argument("--resident", type=int, default=24, help="CTB: most resident tasks per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="/tmp/tide_ctb_kv")
+    p.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/ctb_kv.json")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from tide_megatron.core.ctb import CTBConfig
+    from tide_megatron.envs.client import EnvClient
+    from tide_megatron.envs.config import DoorGameConfig, EnvConfig, EnvServerConfig, LatencyConfig
+    from tide_megatron.envs.server_process import EnvServerProcess
+    from tide_megatron.models.config import ModelConfig
+    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
+    from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig, CTBDispatcher
+    from tide_megatron.rollout.ctb_rollout import LocalCTBRollout
+    from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner
+    from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
+    from tide_megatron.rollout.worker import build_chat
+    from tide_megatron.tokenizer import write_tokenizer
+
+    tok = write_tokenizer(os.path.join(args.work_dir, "tok"), kind="tiny_bpe")
+    ckpt = write_random_hf_checkpoint(os.path.join(args.work_dir, "hf"), ModelConfig(vocab_size=3072),
+                                      seed=args.seed, tokenizer_dir=tok)
+    env_cfg = EnvConfig(name="door_game", door_game=DoorGameConfig(min_rooms=2, max_rooms=4, extra_attempts=1),
+                        latency=LatencyConfig(enabled=True, seed=args.seed, reset_median_s=0.1,
+                                              step_median_s=args.step_median_s))
+    runner_cfg = TaskRunnerConfig(max_turns=args.max_turns, max_context_tokens=768,
+                                  max_new_tokens=args.max_new_tokens, temperature=1.0)
+    # Each open session holds a request slot, so slots exceed the resident-task bound.
+    slots = max(64, args.resident * 2)
+    t_start = time.time()
+    with EnvServerProcess(EnvServerConfig(envs=[env_cfg])) as server:
+        engines = {r: RolloutEngine(RolloutEngineConfig(max_total_tokens=args.kv_tokens, max_running_requests=slots,
+                                                        seed=args.seed), ckpt) for r in range(args.engines)}
+        startup_s = time.time() - t_start
+        loop = engines[0].loop
+        chat = build_chat(ckpt, None)
+        client = EnvClient(server.client_config())
+
+        async def one_run(enabled: bool):
+            await client.connect()
+            specs = await client.list_tasks("door_game", "train", limit=args.tasks // args.group)
+            assignments = [TaskAssignment(task=s.to_json(), group_id=f"g{i}", index=j)
+                           for i, s in enumerate(specs) for j in range(args.group)]
+            for e in engines.values():
+                await e.flush_cache()
+            cfg = CTBDispatchConfig(
+                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=0.8,
+                turn_reserve_tokens=args.max_new_tokens + 48,
+                policy=CTBConfig(probe_turn_reserve_tokens=args.max_new_tokens + 48, staleness_throttle=False,
+                                 context_norm_tokens=runner_cfg.max_context_tokens))
+            dispatcher = CTBDispatcher(cfg, dict(engines))
+            runner = CTBTaskRunner(runner_cfg, dict(engines), chat, client, use_sessions=enabled)
+            t0 = time.monotonic()
+            trajectories = await LocalCTBRollout(dispatcher, runner).run(assignments, prompt_tokens=120)
+            wall = time.monotonic() - t0
+            await client.close()
+            return summarize("ctb" if enabled else "vanilla", trajectories, wall, dispatcher)
+
+        runs = {}
+        for enabled in (False, True):
+            runs["ctb" if enabled else "vanilla"] = res = loop.run_until_complete(one_run(enabled))
+            print(f"{res['mode']}: {res['step_duration_s']:.1f}s, hit {res['hit_rate']:.3f}", flush=True)
+        for e in engines.values():
+            e.shutdown()
+
+    v, c = runs["vanilla"], runs["ctb"]
+    ratios = {
+        "hit_rate_x": c["hit_rate"] / v["hit_rate"] if v["hit_rate"] else float("inf"),
+        "throughput_x": c["gen_tokens_per_s"] / v["gen_tokens_per_s"],
+        "step_duration_x": c["step_duration_s"] / v["step_duration_s"],
+        "ctb_hit_vs_ideal": c["hit_rate"] / c["ideal_hit_rate"] if c["ideal_hit_rate"] else 0.0,
+    }
+    print(f"\n{'':24}{'vanilla':>12}{'ctb':>12}{'ctb/vanilla':>14}")
+    for key, label in (("hit_rate", "prefix hit rate"), ("ideal_hit_rate", "ideal hit rate"),
+                       ("gen_tokens_per_s", "gen tokens/s"), ("step_duration_s", "step duration (s)"),
+                       ("generated_tokens", "generated tokens"), ("turns", "turns"), ("pauses", "pauses")):
+        ratio = c[key] / v[key] if v[key] else float("nan")
+        print(f"{label:24}{v[key]:>12.3f}{c[key]:>12.3f}{ratio:>14.2f}")
+    print(f"CTB hit rate / ideal: {ratios['ctb_hit_vs_ideal']:.3f}  (paper: 1.58x hit rate, 1.15x throughput)")
+    record = {
+        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "settings": vars(args),
+        "engine_startup_s": startup_s,
+        "vanilla": v, "ctb": c, "ratios": ratios,
+    }
+    if not args.no_write:
+        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+        with open(RESULTS, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

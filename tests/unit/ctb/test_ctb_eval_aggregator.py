@@ -1,0 +1,38 @@
+import pytest
+
+from tide_megatron.rollout.eval_aggregator import EvalAggregator
+from tide_megatron.rollout.task_runner import TaskAssignment, Trajectory
+
+
+def _traj(group, index, reward, version):
+    return Trajectory(group_id=group, index=index, task={}, is_eval=True, token_ids=[], loss_mask=[], logprobs=[],
+                      reward=reward, turns=1, policy_version=version)
+
+
+def test_metrics_per_version_best_of_n_and_pass_rate():
+    agg = EvalAggregator(pass_threshold=1.0)
+    agg.expect(3, [TaskAssignment(task={}, group_id=g, index=i, is_eval=True) for g in ("a", "b") for i in range(2)])
+    agg.record(_traj("a", 0, 1.0, 3))
+    agg.record(_traj("a", 1, 0.2, 3))
+    agg.record(_traj("b", 0, 0.0, 3))
+    assert not agg.ready(3) and agg.outstanding(3) == 1 and agg.pop(3) is None
+    agg.record(_traj("b", 1, 0.4, 3))
+    m = agg.pop(3)
+    assert m.complete and m.trajectories == 4 and m.groups == 2
+    assert m.mean_reward == pytest.approx(0.4)
+    assert m.pass_rate == pytest.approx(0.25)
+    assert m.best_of_n_reward == pytest.approx(0.7)
+    assert m.pass_at_n == pytest.approx(0.5)
+    assert agg.versions() == []
+
+
+def test_trajectory_caught_by_a_sync_counts_for_the_version_it_was_submitted_for():
+    agg = EvalAggregator()
+    agg.expect(1, [TaskAssignment(task={}, group_id="a", index=0, is_eval=True)])
+    agg.record(_traj("a", 0, 1.0, 0))
+    assert agg.ready(1)
+    partial = EvalAggregator()
+    partial.expect(5, [TaskAssignment(task={}, group_id="x", index=i, is_eval=True) for i in range(3)])
+    partial.record(_traj("x", 0, 1.0, 5))
+    m = partial.pop(5, partial=True)
+    assert not m.complete and m.trajectories == 1 and m.expected == 3

@@ -1,0 +1,212 @@
+"""A multi-turn rollout task that CTB can pause, move and resume between turns.
+
+Same loop and the same `Trajectory` as `task_runner.TaskRunner`, plus what task-level
+scheduling needs:
+- every request carries a CTB task tag in its rid (`sglang_patches.task_tag`), so SGLang's
+  scheduler (with the `tide_ctb` plugin) knows the task, its group and its priority;
+- before each turn the task waits until the dispatcher has it RUNNING on some rank, and it
+  reports each turn's start and end (context tokens, and the plugin's KV report) back;
+- pausing closes the task's SGLang session (its KV becomes evictable but stays in the radix
+  tree until something evicts it); resuming opens a fresh session on the rank chosen by the
+  dispatcher and sends the whole context again, which re-uses any prefix still cached there.
+The environment session stays open while a task is paused: a paused task still holds its env.
+
+With `use_sessions=False` (the vanilla, request-level baseline) it sends the whole context
+every turn, untagged, and is never paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+from sglang_patches.task_tag import ADMIT, RESUME, TURN, TaskTag
+from tide_megatron.envs.client import EnvClient
+from tide_megatron.rollout.chat import ChatFormat
+from tide_megatron.rollout.engine import Generation, RolloutEngine
+from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
+
+
+class TurnListener(Protocol):
+    """The dispatcher side of a running task (`CTBDispatcher` implements it)."""
+
+    def turn_started(self, task_id: str, context_tokens: int, kind: str) -> Optional[TaskTag]: ...
+
+    def turn_finished(self, task_id: str, context_tokens: int, report: Optional[dict[str, Any]]) -> None: ...
+
+
+@dataclass
+class TaskHandle:
+    """Where a task may run now; shared by the dispatcher (writer) and the runner (reader)."""
+
+    task_id: str
+    rank: Optional[int] = None
+    """Rank the task is placed on; None while queued or paused."""
+    session_id: Optional[str] = None
+    """Open SGLang session on `rank` (pins the task's prefix), if any."""
+    session_rank: Optional[int] = None
+    started: bool = False
+    """Has sent its first turn."""
+    pauses: int = 0
+    moves: int = 0
+    """Resumes that landed on another rank than the one the task last ran on."""
+    last_rank: Optional[int] = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while a turn generates and while the session is being released, so a pause
+    requested mid-generation releases the session right after that generation."""
+    runnable: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def place(self, rank: int) -> None:
+        if self.last_rank is not None and rank != self.last_rank:
+            self.moves += 1
+        self.rank = rank
+        self.runnable.set()
+
+    def pause(self, engines: dict[int, RolloutEngine]) -> asyncio.Task:
+        """Stop the task before its next turn and release its session (KV becomes evictable)."""
+        self.rank = None
+        self.pauses += 1
+        self.runnable.clear()
+        return asyncio.get_running_loop().create_task(self.release_session(engines))
+
+    async def release_session(self, engines: dict[int, RolloutEngine]) -> None:
+        async with self.lock:
+            if self.session_id is not None and self.rank is None:
+                engine = engines.get(self.session_rank)
+                session, self.session_id = self.session_id, None
+                if engine is not None:
+                    await engine.close_session(session)
+
+
+class CTBTaskRunner:
+    """Runs pausable trajectories over several engines against one env client."""
+
+    def __init__(self, cfg: TaskRunnerConfig, engines: dict[int, RolloutEngine], chat: ChatFormat, env: EnvClient,
+                 use_sessions: bool = True):
+        self.cfg = cfg
+        self.engines = engines
+        self.chat = chat
+        self.env = env
+        self.use_sessions = use_sessions
+
+    def _sampling(self, remaining: int) -> dict[str, Any]:
+        return {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
+                "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
+
+    async def run(self, assignment: TaskAssignment, handle: TaskHandle, listener: TurnListener) -> Trajectory:
+        started = time.time()
+        t0 = time.monotonic()
+        await handle.runnable.wait()  # admitted before it takes an environment
+        async with self.env.session(assignment.task["env"], assignment.task["task_id"],
+                                    assignment.trajectory_id) as first:
+            ep = _Episode(tokens=self.chat.prompt_ids(first.observation), env_wait_s=time.monotonic() - t0,
+                          version=min(e.weight_version for e in self.engines.values()))
+            ep.loss_mask = [0] * len(ep.tokens)
+            ep.logprobs = [0.0] * len(ep.tokens)
+            try:
+                await self._turns(first.session_id, ep, handle, listener)
+            finally:
+                async with handle.lock:
+                    if handle.session_id is not None:
+                        session, handle.session_id = handle.session_id, None
+                        await self.engines[handle.session_rank].close_session(session)
+        cut = self.cfg.max_context_tokens
+        return Trajectory(
+            group_id=assignment.group_id, index=assignment.index, task=assignment.task,
+            is_eval=assignment.is_eval, token_ids=ep.tokens[:cut], loss_mask=ep.loss_mask[:cut],
+            logprobs=ep.logprobs[:cut], reward=float(ep.info.get("episode_return", ep.reward)), turns=ep.turns,
+            policy_version=ep.version, truncated=ep.truncated or bool(ep.info.get("truncated", False)),
+            generated_tokens=ep.generated, prompt_tokens=ep.prompt_tokens, cached_tokens=ep.cached_tokens,
+            env_wait_s=ep.env_wait_s, generate_s=ep.generate_s, started_at=started, finished_at=time.time(),
+            info={**{k: v for k, v in ep.info.items() if isinstance(v, (int, float, str, bool))},
+                  "ctb_pauses": handle.pauses, "ctb_moves": handle.moves},
+        )
+
+    async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener) -> None:
+        pending = list(ep.tokens)  # tokens the engine's session has not seen yet
+        previous_rid: Optional[str] = None
+        done = False
+        while not done:
+            remaining = self.cfg.max_context_tokens - len(ep.tokens)
+            if ep.turns >= self.cfg.max_turns or remaining <= 0:
+                ep.truncated = True
+                return
+            gen = await self._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
+            previous_rid = gen.rid
+            ep.append(gen.output_ids, 1, gen.logprobs)
+            action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+            t0 = time.monotonic()
+            result = await self.env.step(env_session, action)
+            ep.env_wait_s += time.monotonic() - t0
+            ep.reward += result.reward
+            ep.info = result.info
+            done = result.done
+            if not done:
+                pending = self.chat.user_turn_ids(result.observation, gen.output_ids)
+                ep.append(pending, 0)
+
+    async def _generate_turn(self, ep: _Episode, pending: list[int], previous_rid: Optional[str], remaining: int,
+                             handle: TaskHandle, listener: TurnListener) -> Generation:
+        while True:
+            await handle.runnable.wait()
+            async with handle.lock:
+                if handle.rank is None:
+                    continue  # paused again while waiting for the lock
+                rank = handle.rank
+                engine = self.engines[rank]
+                kind = TURN if handle.started else ADMIT
+                session_params = None
+                if self.use_sessions:
+                    if handle.session_id is None or handle.session_rank != rank:
+                        if handle.started:
+                            kind = RESUME
+                        handle.session_id = await engine.open_session(self.cfg.max_context_tokens * 8)
+                        handle.session_rank, previous_rid = rank, None
+                    if handle.rank != rank:  # paused while the session opened
+                        continue
+                    session_params = {"id": handle.session_id}
+                    if previous_rid is not None:
+                        session_params["rid"] = previous_rid
+                # A fresh session (first turn or resume) needs the whole context; a live one only the delta.
+                send = pending if session_params is not None and previous_rid is not None else ep.tokens
+                tag = listener.turn_started(handle.task_id, len(ep.tokens), kind)
+                handle.started, handle.last_rank = True, rank
+                ep.version = min(ep.version, engine.weight_version)
+                t0 = time.monotonic()
+                gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params)
+                ep.generate_s += time.monotonic() - t0
+            ep.turns += 1
+            ep.prompt_tokens += gen.prompt_tokens
+            ep.cached_tokens += gen.cached_tokens
+            ep.generated += len(gen.output_ids)
+            listener.turn_finished(handle.task_id, len(ep.tokens) + len(gen.output_ids), report)
+            return gen
+
+
+async def generate_tagged(engine: RolloutEngine, input_ids: list[int], sampling_params: dict[str, Any],
+                          tag: Optional[TaskTag], session_params: Optional[dict[str, Any]]
+                          ) -> tuple[Generation, Optional[dict[str, Any]]]:
+    """`RolloutEngine.generate` with a CTB-tagged rid; also returns the plugin's report.
+
+    Goes to the engine's `sglang.Engine` directly because `RolloutEngine.generate` takes no rid.
+    """
+    out = await engine._engine.async_generate(
+        input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True,
+        session_params=session_params, rid=tag.to_rid() if tag is not None else None,
+    )
+    meta = out["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    reason = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
+    if reason == "abort":
+        raise RuntimeError(f"SGLang aborted request {meta.get('id')}: {finish}")
+    reports = meta.get("tide_ctb")
+    gen = Generation(
+        output_ids=list(out["output_ids"]),
+        logprobs=[float(lp) for lp, _tok, _ in meta["output_token_logprobs"]],
+        finish_reason=reason, prompt_tokens=int(meta["prompt_tokens"]),
+        cached_tokens=int(meta.get("cached_tokens") or 0), rid=str(meta["id"]),
+        weight_version=meta.get("weight_version"),
+    )
+    return gen, (reports[-1] if reports else None)

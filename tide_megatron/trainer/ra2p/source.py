@@ -1,0 +1,89 @@
+"""Where a step's micro-batches come from: all ready at start (RAS), or arriving (TPRM).
+
+A step's size is fixed when it starts (the elastic batch in [B_min, B_ideal] is chosen then, and
+Megatron's schedule needs the micro-batch count up front), but its micro-batches need not all be
+ready: RAS of them are, the rest arrive one every TPRM on average. Executors read them through
+`MicroBatchSource`, which tells how many are ready *now* (what colocated aggregation batches
+together) and blocks for the next one when none is.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator, Protocol, Sequence, runtime_checkable
+
+from tide_megatron.trainer.batch import MicroBatch
+
+
+@runtime_checkable
+class MicroBatchSource(Protocol):
+    """The micro-batches of one step on one rank, in dispatch order."""
+
+    def __len__(self) -> int:
+        """Micro-batches in the step (ready or not)."""
+        ...
+
+    def take_ready(self, limit: int) -> list[MicroBatch]:
+        """Up to `limit` micro-batches: all that are ready, or block until one is. [] at the end."""
+        ...
+
+
+class ReadySource:
+    """Every micro-batch ready at the start of the step (RAS >= N)."""
+
+    def __init__(self, micro_batches: Sequence[MicroBatch]):
+        self._items = list(micro_batches)
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def take_ready(self, limit: int) -> list[MicroBatch]:
+        taken = self._items[self._next:self._next + limit]
+        self._next += len(taken)
+        return taken
+
+
+class ArrivingSource:
+    """Micro-batches pushed by a producer thread (the buffer reader) while the step runs."""
+
+    def __init__(self, num_micro_batches: int):
+        self._n = num_micro_batches
+        self._queue: "queue.Queue[MicroBatch]" = queue.Queue()
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def put(self, micro_batch: MicroBatch) -> None:
+        self._queue.put(micro_batch)
+
+    def take_ready(self, limit: int) -> list[MicroBatch]:
+        with self._lock:
+            if self._taken >= self._n:
+                return []
+            taken = [self._queue.get()]  # block for the first one only
+            while len(taken) < limit and self._taken + len(taken) < self._n:
+                try:
+                    taken.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._taken += len(taken)
+            return taken
+
+
+def as_source(micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> MicroBatchSource:
+    if isinstance(micro_batches, MicroBatchSource) and not isinstance(micro_batches, (list, tuple)):
+        return micro_batches
+    return ReadySource(micro_batches)
+
+
+def iterate(source: MicroBatchSource) -> Iterator[MicroBatch]:
+    """One micro-batch at a time, in order, blocking for arrivals."""
+    while True:
+        taken = source.take_ready(1)
+        if not taken:
+            return
+        yield taken[0]
