@@ -1,0 +1,20 @@
+# The two commands of the README. Both install what they need into .venv first.
+PY := .venv/bin/python
+export OMP_NUM_THREADS := 1
+
+.PHONY: setup tiny test test-fast
+
+setup:
+	bash scripts/setup_env.sh
+
+# The tiny CPU recipe end to end: random tiny Qwen2 model, real SGLang + Megatron-core, 2 ranks.
+tiny: setup
+	$(PY) -m torch.distributed.run --nproc-per-node 2 launch/train.py +recipe=tiny_cpu
+
+# Every test tier that runs here (GPU tests skip with a reason when CUDA is absent).
+test: setup
+	$(PY) -m pytest -q tests
+
+# Pure-Python and fast CPU tests only.
+test-fast: setup
+	$(PY) -m pytest -q -m "not integration" tests
