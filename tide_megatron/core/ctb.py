@@ -195,6 +195,8 @@ class _Group:
     """Some task of the group has been admitted: the whole group is committed work."""
     prefix_ranks: Counter = field(default_factory=Counter)
     queued: "OrderedDict[Hashable, None]" = field(default_factory=OrderedDict)
+    members: list = field(default_factory=list)
+    """Task ids of the group in submission order (what `forget` drops)."""
 
     @property
     def completion(self) -> float:
@@ -262,6 +264,7 @@ class CTBScheduler:
             if group is None:
                 group = self._groups[task.group_id] = _Group(task.group_id, task.task_type, task.is_eval, task.task_id)
             group.total += 1
+            group.members.append(task.task_id)
             group.queued[task.task_id] = None
             self._committed_train += group.started and not group.is_eval
             self._seq += 1
@@ -301,6 +304,24 @@ class CTBScheduler:
         self._committed_train -= not group.is_eval
         st.state, st.active = TaskState.FINISHED, False
         group.finished += 1
+
+    def forget(self, group_id: Hashable) -> list[Hashable]:
+        """Drop a group whose tasks have all finished; returns the forgotten task ids.
+
+        Finished tasks hold no KV, no environment and no admission counter, so forgetting
+        them changes no decision; it keeps a long run's tables (and `schedule`'s scans)
+        bounded. A group with a task still queued, running or paused is refused
+        (ValueError): forgetting it would silently lose work. Unknown ids are a no-op.
+        """
+        group = self._groups.get(group_id)
+        if group is None:
+            return []
+        if group.finished < group.total:
+            raise ValueError(f"group {group_id!r} has unfinished tasks ({group.finished}/{group.total})")
+        for tid in group.members:
+            del self._tasks[tid]
+        del self._groups[group_id]
+        return list(group.members)
 
     def on_weight_sync(self) -> None:
         """Caches were flushed: only current residents re-establish group prefixes."""

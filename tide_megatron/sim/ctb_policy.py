@@ -5,11 +5,9 @@ context, task finished, ranks added/removed, weight sync) and carries out the de
 `CTBScheduler.schedule` (Admit, Pause, Resume). Engines run with pinned prefixes: only CTB
 pauses free KV, the engine never evicts a waiting task behind CTB's back.
 
-Adapter notes (what the core lacked, handled here without editing it):
-- The core keeps every finished task and group in its tables forever, and `schedule` scans
-  them all, so a long run slows down quadratically. Once a group has finished, this adapter
-  forgets it (`_forget_group`), which touches the scheduler's private tables; a public
-  `CTBScheduler.forget(group_id)` would make that clean.
+Adapter notes:
+- Once a group has finished, this adapter drops it with `CTBScheduler.forget(group_id)`, so
+  the scheduler's tables (and its scans) stay bounded over a long run.
 - `schedule` admits from every submitted group; to keep its scans short we hand it groups
   just ahead of need (`lookahead_groups` queued at a time) instead of the whole task stream.
 """
@@ -116,7 +114,6 @@ class CTBPolicy(PlacementPolicy):
     def _forget_group(self, group_id: int) -> None:
         """Drop a finished group from the scheduler's tables (see module docstring)."""
         del self.group_left[group_id]
-        self.sched._groups.pop(group_id, None)
+        self.sched.forget(group_id)
         for tid in self.group_members.pop(group_id, []):
-            self.sched._tasks.pop(tid, None)
             self.trajs.pop(tid, None)

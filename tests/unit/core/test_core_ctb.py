@@ -337,3 +337,23 @@ def test_throttle_gates_whole_groups_and_started_groups_finish_first():
     # a's 4 trajectories now sit unconsumed in the buffer: still no room for c.
     assert admitted(s.schedule(2.0, unconsumed_trajectories=4)) == []
     assert admitted(s.schedule(3.0, unconsumed_trajectories=0)) == ["c/0"]
+
+
+def test_forget_drops_a_finished_group_and_refuses_an_unfinished_one():
+    s = sched()
+    s.submit(group("a", 2) + group("b", 2))
+    s.schedule(0.0)
+    s.on_turn_started("a/0", 500)
+    s.on_turn_finished("a/0", 900)
+    s.schedule(1.0)
+    with pytest.raises(ValueError):
+        s.forget("a")                      # a/1 is still running
+    s.on_task_finished("a/0")
+    s.on_task_finished("a/1")
+    assert sorted(s.forget("a")) == ["a/0", "a/1"]
+    assert s.forget("a") == []            # idempotent
+    with pytest.raises(KeyError):
+        s.status("a/0")
+    assert s.audit() == [] and s.counts()["finished"] == 0
+    with pytest.raises(ValueError):
+        s.forget("b")                      # queued tasks are work, not history
