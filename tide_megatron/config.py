@@ -98,6 +98,8 @@ class SchedulerConfig:
     """Concurrent tasks on one rollout rank (each holds a session and a request slot)."""
     max_task_retries: int = 1
     """A failed trajectory is re-run this many times before the run stops with its error."""
+    stall_timeout_s: float = 1800.0
+    """The run stops with an error when no trajectory finishes for this long (a hung rank)."""
 
 
 @dataclass

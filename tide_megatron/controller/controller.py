@@ -60,6 +60,7 @@ class Controller:
         self._rng = random.Random(cfg.run.seed)
         self._inbox: dict[str, deque] = defaultdict(deque)
         self._retries: dict[str, int] = defaultdict(int)
+        self._rollout_busy_s: dict[int, float] = {}  # per rollout rank, cumulative, at the last sync
 
     # -- messaging ------------------------------------------------------------------
     def _pump(self) -> None:
@@ -84,7 +85,7 @@ class Controller:
     def run(self) -> None:
         self._wait_for("ready", len(self.topo.rollout_ranks), timeout_s=600)
         if self.version > 0:  # resumed: the engines still hold the initial weights
-            self._sync()
+            _, self._rollout_busy_s = self._sync()
         while self.step < self.cfg.run.steps:
             t0 = time.perf_counter()
             assignments = self._sample_assignments()
@@ -96,10 +97,10 @@ class Controller:
             result, phases = self._train(batch.trajectories)
             t2 = time.perf_counter()
             self.version += 1
-            sync = self._sync()
+            sync, busy = self._sync()
             t3 = time.perf_counter()
             self.step += 1
-            self._log(stats, batch, result, phases, sync, rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2)
+            self._log(stats, batch, result, phases, sync, busy, rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2)
             interval = self.cfg.run.checkpoint_interval
             if (interval and self.step % interval == 0) or self.step == self.cfg.run.steps:
                 self._save()
@@ -131,12 +132,12 @@ class Controller:
         outstanding = 0
         stats = StepStats()
         limit = self.cfg.scheduler.max_tasks_per_rank
-        deadline_s = self.cfg.rollout.runner.max_turns * 600.0
+        deadline_s = self.cfg.scheduler.stall_timeout_s
         last_progress = time.monotonic()
         while queue or outstanding:
             while queue:
                 a = queue[0]
-                rank = home.get(a.group_id) or min(ranks, key=lambda r: (load[r], r))
+                rank = home[a.group_id] if a.group_id in home else min(ranks, key=lambda r: (load[r], r))
                 if load[rank] >= limit:
                     rank = min(ranks, key=lambda r: (load[r], r))
                     if load[rank] >= limit:
@@ -209,7 +210,9 @@ class Controller:
             self._wait_for("trained", len(trainers) - 1, timeout_s=3600)
         return result, phases
 
-    def _sync(self) -> dict[str, float]:
+    def _sync(self) -> tuple[dict[str, float], dict[int, float]]:
+        """Push the new weights everywhere; returns phase times and each rollout rank's
+        cumulative busy time."""
         t0 = time.perf_counter()
         for rank in self.topo.trainer_ranks[1:]:
             self.mailbox.post(rank, "push_weights", version=self.version)
@@ -219,8 +222,7 @@ class Controller:
             "time/weight_gather_broadcast_s": time.perf_counter() - t0,
             "time/weight_broadcast_s": broadcast_s,
             "time/weight_load_s": max(m["load_s"] for m in loaded),
-            "_busy_s": {m["src"]: m["busy_s"] for m in loaded},
-        }
+        }, {m["src"]: m["busy_s"] for m in loaded}
 
     def _save(self) -> None:
         for rank in self.topo.trainer_ranks[1:]:
@@ -229,16 +231,14 @@ class Controller:
         self.metrics.write(f"checkpoint: {path}")
 
     # -- metrics --------------------------------------------------------------------
-    def _log(self, stats, batch, result, phases, sync, rollout_s, train_s, sync_s) -> None:
+    def _log(self, stats, batch, result, phases, sync, busy, rollout_s, train_s, sync_s) -> None:
         trajs = stats.trajectories
         step_s = rollout_s + train_s + sync_s
         consumed = batch.generated_tokens
         prompt = sum(t.prompt_tokens for t in trajs)
         cached = sum(t.cached_tokens for t in trajs)
         rewards = [t.reward for t in trajs]
-        busy = sync.pop("_busy_s")
-        prev = getattr(self, "_prev_busy", {})
-        self._prev_busy = busy
+        prev, self._rollout_busy_s = self._rollout_busy_s, busy
         # A rollout rank waits whenever it runs no task: training, syncing, or idling.
         rwt = sum(step_s - (busy[r] - prev.get(r, 0.0)) for r in busy) / max(len(busy), 1)
         ledger = self.buffer.ledger
