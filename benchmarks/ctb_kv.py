@@ -65,11 +65,11 @@ def summarize(name: str, trajectories: list, wall_s: float, dispatcher) -> dict:
         c, x = ideal_cached(t.token_ids, t.loss_mask)
         ideal_c, ideal_ctx = ideal_c + c, ideal_ctx + x
         # Members of a GRPO group share their prompt: after the first, it is ideally cached too.
-        prompt = t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
+        first = t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
         if t.group_id in first_prompt:
-            ideal_c += _common_prefix(first_prompt[t.group_id], prompt)
+            ideal_c += _common_prefix(first_prompt[t.group_id], first)
         else:
-            first_prompt[t.group_id] = prompt
+            first_prompt[t.group_id] = first
     return {
         "mode": name,
         "tasks": len(trajectories),

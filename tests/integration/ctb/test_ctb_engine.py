@@ -1,0 +1,160 @@
+"""CTB on a real SGLang engine (CPU): the plugin runs in the scheduler process, a paused and
+resumed task equals an unpaused one under greedy decoding, and a dispatcher-driven rollout
+finishes with every turn reported. One engine and one env server for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tide_megatron.envs.client import EnvClient
+    from tide_megatron.envs.config import EnvConfig, EnvServerConfig
+    from tide_megatron.envs.server_process import EnvServerProcess
+    from tide_megatron.models.config import ModelConfig
+    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
+    from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
+    from tide_megatron.rollout.worker import build_chat
+    from tide_megatron.tokenizer import write_tokenizer
+
+    root = tmp_path_factory.mktemp("ctb")
+    tok = write_tokenizer(str(root / "tok"), kind="tiny_bpe")
+    ckpt = write_random_hf_checkpoint(str(root / "hf"), ModelConfig(vocab_size=3072), seed=0, tokenizer_dir=tok)
+    with EnvServerProcess(EnvServerConfig(envs=[EnvConfig(name="door_game")])) as server:
+        engine = RolloutEngine(RolloutEngineConfig(max_total_tokens=2048, max_running_requests=32), ckpt)
+        try:
+            yield engine, build_chat(ckpt, None), EnvClient(server.client_config())
+        finally:
+            engine.shutdown()
+
+
+def _run(engine, coro):
+    return engine.loop.run_until_complete(coro)
+
+
+def test_plugin_runs_inside_the_scheduler_process(stack):
+    from sglang_patches.task_tag import ADMIT, TaskTag
+    from tide_megatron.rollout.ctb_task_runner import generate_tagged
+
+    engine, _chat, _env = stack
+    tag = TaskTag(ADMIT, "probe/0", "probe", False, 3.0, 64, 32)
+    gen, report = _run(engine, generate_tagged(engine, list(range(20, 60)), {"max_new_tokens": 4, "temperature": 0},
+                                               tag, None))
+    assert report is not None, "no tide_ctb report: the plugin is not active in SGLang's scheduler"
+    assert report["plugin"] == "tide_ctb" and report["task_id"] == "probe/0" and report["kind"] == ADMIT
+    assert report["pid"] != os.getpid()  # written by the scheduler subprocess, not this process
+    assert report["hooks_called"]["intake"] >= 1 and report["hooks_called"]["add_one_req"] >= 1
+    assert report["context_tokens"] == 40 + len(gen.output_ids)
+    assert report["kv_total"] >= 2048 and 0 <= report["kv_available"] <= report["kv_total"]
+    # An untagged request is left alone: no report.
+    _gen, none = _run(engine, generate_tagged(engine, list(range(20, 60)), {"max_new_tokens": 4}, None, None))
+    assert none is None
+
+
+class _PausingListener:
+    """Tags turns like the dispatcher; pauses the task after `pause_after` turns and resumes it later."""
+
+    def __init__(self, handle, engines, pause_after=None):
+        self.handle, self.engines, self.pause_after = handle, engines, pause_after
+        self.kinds, self.reports = [], []
+
+    def turn_started(self, task_id, context_tokens, kind):
+        from sglang_patches.task_tag import TaskTag
+
+        self.kinds.append(kind)
+        return TaskTag(kind, task_id, task_id.split("/")[0], False, 1.0, context_tokens, 32)
+
+    def turn_finished(self, task_id, context_tokens, report):
+        self.reports.append(report)
+        if self.pause_after is not None and len(self.kinds) == self.pause_after:
+            rank = self.handle.rank
+            self.handle.pause(self.engines)
+            asyncio.get_running_loop().call_later(0.3, self.handle.place, rank)
+
+
+def _one_task(stack, pause_after):
+    from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
+    from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
+
+    engine, chat, env = stack
+    engines = {0: engine}
+    runner = CTBTaskRunner(TaskRunnerConfig(max_turns=4, max_context_tokens=512, max_new_tokens=8, temperature=0.0),
+                           engines, chat, env)
+
+    async def go():
+        await env.connect()
+        (spec,) = await env.list_tasks("door_game", "train", offset=3, limit=1)
+        handle = TaskHandle("t/0")
+        listener = _PausingListener(handle, engines, pause_after)
+        handle.place(0)
+        traj = await runner.run(TaskAssignment(task=spec.to_json(), group_id="t", index=0), handle, listener)
+        await env.close()
+        await engine.flush_cache()
+        return traj, listener
+
+    return _run(engine, go())
+
+
+def test_paused_task_resumes_and_matches_an_unpaused_run_under_greedy_decoding(stack):
+    plain, plain_listener = _one_task(stack, pause_after=None)
+    assert plain.turns >= 2, "the task must have a turn after the pause point"
+    paused, listener = _one_task(stack, pause_after=1)
+    assert paused.info["ctb_pauses"] == 1
+    assert listener.kinds[:2] == ["admit", "resume"]  # the turn after the pause re-sent the whole context
+    assert all(r is not None for r in listener.reports)
+    assert paused.token_ids == plain.token_ids
+    assert paused.loss_mask == plain.loss_mask
+    assert paused.reward == plain.reward
+    assert max(abs(a - b) for a, b in zip(paused.logprobs, plain.logprobs)) < 1e-4
+    # Pausing closed the session: the resumed turn saw the whole context again.
+    assert paused.prompt_tokens == plain.prompt_tokens
+
+
+def test_dispatcher_rollout_on_the_engine_respects_the_kv_budget(stack):
+    from tide_megatron.core.ctb import CTBConfig, TaskState
+    from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig, CTBDispatcher
+    from tide_megatron.rollout.ctb_rollout import LocalCTBRollout
+    from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner
+    from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
+
+    engine, chat, env = stack
+    engines = {0: engine}
+    d = CTBDispatcher(CTBDispatchConfig(max_resident_tasks_per_rank=8, kv_budget_fraction=0.5,
+                                        policy=CTBConfig(probe_turn_reserve_tokens=48, staleness_throttle=False)),
+                      engines)
+    runner = CTBTaskRunner(TaskRunnerConfig(max_turns=3, max_context_tokens=512, max_new_tokens=8), engines, chat, env)
+    peak = {"used": 0}
+    original = d.schedule
+
+    def checked_schedule(now, unconsumed=0):
+        out = original(now, unconsumed)
+        used, budget = d.policy.rank_usage(0)
+        assert used <= budget or len(d.policy.residents(0)) == 1
+        peak["used"] = max(peak["used"], used)
+        return out
+
+    d.schedule = checked_schedule
+
+    async def go():
+        await env.connect()
+        specs = await env.list_tasks("door_game", "train", limit=3)
+        assignments = [TaskAssignment(task=s.to_json(), group_id=f"g{i}", index=j, is_eval=(i == 2))
+                       for i, s in enumerate(specs) for j in range(4)]
+        trajs = await LocalCTBRollout(d, runner).run(assignments, prompt_tokens=100)
+        await env.close()
+        await engine.flush_cache()
+        return trajs
+
+    trajs = _run(engine, go())
+    assert len(trajs) == 12 and not d.policy.audit()
+    assert len(d.policy.tasks_in(TaskState.FINISHED)) == 12
+    assert 0 < peak["used"] <= 1024
+    assert d.rank_kv[0]["plugin"] == "tide_ctb"
+    assert sum(t.cached_tokens for t in trajs) > 0
