@@ -197,6 +197,7 @@ def readiness_deficits(buffer: GlobalBuffer, now: float, *, n_micro_batches: int
     """
     estimate = buffer.estimate()
     be = break_even_ras(estimate.tprm_s, n_micro_batches, times, ra2p, dp_size)
+    ready_mb = buffer.ready_tokens() / buffer.signals.micro_batch_tokens
     deficits = detect_deficits(estimate, buffer.head_of_line_latency(now), b_ideal=buffer.config.b_ideal,
-                               break_even_ras=be, hol_tau=buffer.signals.hol_tau)
+                               break_even_ras=be, hol_tau=buffer.signals.hol_tau, ready_micro_batches=ready_mb)
     return deficits, be

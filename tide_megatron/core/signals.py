@@ -9,8 +9,10 @@ The paper drives all three components from one readiness view of the global buff
   ready after the step starts. A micro-batch "becomes ready" each time the tokens made ready
   since the step start cross another multiple of the micro-batch volume.
 - HoL latency: the age of the oldest ready group in the buffer (consumption deficit signal).
-- Generation deficit: the global batch volume the trainer could take is below B_ideal.
-- Consumption deficit: HoL latency > tau * T_step, or RAS above the decoupled break-even.
+- Generation deficit: the batch volume is below B_ideal or steps start with no whole ready
+  micro-batch, and no reservoir is waiting now (see `detect_deficits`).
+- Consumption deficit: HoL latency > tau * T_step, or the whole ready micro-batches at start
+  reach the decoupled break-even (at least one).
 
 Noise. The paper warns that instantaneous arrivals are skewed by trajectory variance even
 within one step. We therefore (1) summarise a step's arrivals by the *median* inter-arrival
@@ -30,6 +32,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -217,24 +220,44 @@ def detect_deficits(
     b_ideal: int,
     break_even_ras: float,
     hol_tau: float,
+    ready_micro_batches: Optional[float] = None,
 ) -> Deficits:
     """Classify the current readiness into generation / consumption deficits.
 
     `hol_latency_s` is the *current* head-of-line age (read at the ERS planning point, right
     after the actor update): it is already a queue-integral quantity, so it needs no extra
     smoothing. `break_even_ras` comes from `ra2p.break_even_ras` for the current TPRM.
+    `ready_micro_batches` is the ready volume in the buffer at the planning point (the paper
+    reads "the current ready volume" together with HoL); None when the caller has none.
+
+    Generation deficit (paper: "the global batch volume < B_ideal"; "the Trainer is
+    starved"): the consumed batch volume fell short of B_ideal and no whole micro-batch is
+    waiting now. A short elastic batch taken while a reservoir is kept is adaptive
+    retention, not starvation, so it must not move ranks away from the trainer.
+
+    Consumption deficit: HoL > tau * T_step, or the whole ready micro-batches at start
+    (floor(RAS), as the cost model counts them) reach the decoupled break-even, with at
+    least one of them. The "at least one" matters: with a fast TPRM the break-even can be 0
+    (decoupled is cheaper even with nothing ready), and an EWMA of RAS that decays towards 0
+    stays positive forever, so a bare `RAS > break-even` read an empty buffer as a backlog.
+
     """
     reasons: list[str] = []
     if estimate.steps_observed == 0:
         return Deficits(False, False, ("no steps observed",))
-    generation = estimate.batch_trajectories < b_ideal
-    if generation:
+    whole_ras = math.floor(estimate.ras + 1e-9)
+    reservoir = ready_micro_batches is not None and ready_micro_batches >= 1.0
+    short_batch = estimate.batch_trajectories < b_ideal
+    generation = short_batch and not reservoir
+    if short_batch:
         reasons.append(f"batch volume {estimate.batch_trajectories:.1f} < B_ideal {b_ideal}")
+    if reservoir and short_batch:
+        reasons.append(f"not starved: {ready_micro_batches:.1f} micro-batches ready now")
     hol_limit = hol_tau * estimate.step_time_s
     hol_high = estimate.step_time_s > 0 and hol_latency_s > hol_limit
-    ras_high = math.isfinite(break_even_ras) and estimate.ras > break_even_ras
+    ras_high = math.isfinite(break_even_ras) and whole_ras >= max(break_even_ras, 1.0)
     if hol_high:
         reasons.append(f"HoL {hol_latency_s:.2f}s > tau*T_step {hol_limit:.2f}s")
     if ras_high:
-        reasons.append(f"RAS {estimate.ras:.2f} > break-even {break_even_ras:.2f}")
+        reasons.append(f"RAS {estimate.ras:.2f} >= break-even {break_even_ras:.2f}")
     return Deficits(generation=generation, consumption=hol_high or ras_high, reasons=tuple(reasons))

@@ -389,8 +389,10 @@ class Simulator:
         n_mb = max(1, math.ceil(est.batch_trajectories * self.costs.mean_seq_len / (self.ra2p_cfg.tokens_per_rank * dp)))
         times = self.costs.microbatch_times(self.ra2p_cfg.tokens_per_rank)
         be = break_even_ras(est.tprm_s, n_mb, times, self.ra2p_cfg, dp) if self.cfg.scheduler.ra2p else math.inf
+        ready_mb = self.buffer.ready_tokens() / self.signals.micro_batch_tokens
         deficits = detect_deficits(est, self.buffer.head_of_line_latency(self.loop.now), b_ideal=self.B,
-                                   break_even_ras=be, hol_tau=self.cfg.scheduler.ers_tau)
+                                   break_even_ras=be, hol_tau=self.cfg.scheduler.ers_tau,
+                                   ready_micro_batches=ready_mb)
         load = {r: float(self.cluster.ranks[r].footprint) for r in self.cluster.active}
         plan = self.ers.plan(self.plan, deficits, step=step, eval_phase=False, rollout_load=load)
         self.metrics.ers_log.append((step, est.ras, est.tprm_s, be, deficits.generation, deficits.consumption,

@@ -106,3 +106,22 @@ def test_no_deficit_before_any_step():
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         SignalsConfig(**kwargs)
+
+
+def test_decayed_ras_is_no_backlog_even_at_zero_break_even():
+    # A fast TPRM can put the break-even at 0; an EWMA of RAS decaying towards 0 stays
+    # positive, and used to read as a backlog, growing the trainer while it starved.
+    d = detect_deficits(_estimate(ras=1e-4), 0.0, b_ideal=128, break_even_ras=0.0, hol_tau=1.0)
+    assert not d.consumption
+    d = detect_deficits(_estimate(ras=1.0), 0.0, b_ideal=128, break_even_ras=0.0, hol_tau=1.0)
+    assert d.consumption
+
+
+def test_short_elastic_batch_with_ready_reservoir_is_not_a_generation_deficit():
+    # ERS must not scale the trainer down after a small elastic batch when ready data waits.
+    d = detect_deficits(_estimate(volume=64), 0.0, b_ideal=128, break_even_ras=math.inf, hol_tau=1.0,
+                        ready_micro_batches=2.5)
+    assert not d.generation
+    d = detect_deficits(_estimate(volume=64), 0.0, b_ideal=128, break_even_ras=math.inf, hol_tau=1.0,
+                        ready_micro_batches=0.5)
+    assert d.generation
