@@ -188,25 +188,8 @@ class CTBTaskRunner:
 async def generate_tagged(engine: RolloutEngine, input_ids: list[int], sampling_params: dict[str, Any],
                           tag: Optional[TaskTag], session_params: Optional[dict[str, Any]]
                           ) -> tuple[Generation, Optional[dict[str, Any]]]:
-    """`RolloutEngine.generate` with a CTB-tagged rid; also returns the plugin's report.
-
-    Goes to the engine's `sglang.Engine` directly because `RolloutEngine.generate` takes no rid.
-    """
-    out = await engine._engine.async_generate(
-        input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True,
-        session_params=session_params, rid=tag.to_rid() if tag is not None else None,
-    )
-    meta = out["meta_info"]
-    finish = meta.get("finish_reason") or {}
-    reason = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
-    if reason == "abort":
-        raise RuntimeError(f"SGLang aborted request {meta.get('id')}: {finish}")
-    reports = meta.get("tide_ctb")
-    gen = Generation(
-        output_ids=list(out["output_ids"]),
-        logprobs=[float(lp) for lp, _tok, _ in meta["output_token_logprobs"]],
-        finish_reason=reason, prompt_tokens=int(meta["prompt_tokens"]),
-        cached_tokens=int(meta.get("cached_tokens") or 0), rid=str(meta["id"]),
-        weight_version=meta.get("weight_version"),
-    )
-    return gen, (reports[-1] if reports else None)
+    """`RolloutEngine.generate` with a CTB-tagged rid; also returns the plugin's report."""
+    session_params = session_params or {}
+    gen = await engine.generate(input_ids, sampling_params, session_params.get("id"), session_params.get("rid"),
+                                rid=tag.to_rid() if tag is not None else None)
+    return gen, gen.ctb_report

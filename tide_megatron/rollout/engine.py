@@ -87,6 +87,8 @@ class Generation:
     """Of those, how many came from the prefix cache (no prefill)."""
     rid: str
     weight_version: str | None = None
+    ctb_report: dict[str, Any] | None = None
+    """The `tide_ctb` SGLang plugin's report on a task-tagged request (KV state, context)."""
 
 
 @contextlib.contextmanager
@@ -122,9 +124,11 @@ class RolloutEngine:
         sampling_params: dict[str, Any],
         session_id: str | None = None,
         previous_rid: str | None = None,
+        rid: str | None = None,
     ) -> Generation:
         """Generate after `input_ids`. With a session, `input_ids` are only the tokens
-        appended since the session's previous turn (`previous_rid`)."""
+        appended since the session's previous turn (`previous_rid`). `rid` names the
+        request (CTB's task tag rides in it, see `sglang_patches.task_tag`)."""
         session_params = None
         if session_id is not None:
             session_params = {"id": session_id}
@@ -135,6 +139,7 @@ class RolloutEngine:
             sampling_params=sampling_params,
             return_logprob=True,
             session_params=session_params,
+            rid=rid,
         )
         meta = out["meta_info"]
         finish = meta.get("finish_reason") or {}
@@ -149,6 +154,7 @@ class RolloutEngine:
             cached_tokens=int(meta.get("cached_tokens") or 0),
             rid=str(meta["id"]),
             weight_version=meta.get("weight_version"),
+            ctb_report=(meta.get("tide_ctb") or [None])[-1],
         )
 
     async def open_session(self, capacity_tokens: int) -> str | None:
