@@ -172,6 +172,14 @@ class Simulator:
         if self.mode != "sync":
             self._feed_async()
 
+    def _consumed_kick(self) -> None:
+        """Data left the buffer: CTB's staleness throttle reads the unconsumed volume, so the
+        dispatcher must look again. Without this, a rollout whose every task had finished and
+        whose admissions were throttled stayed idle until some unrelated event (a role change)
+        woke it, or forever (observed: the run stalled with 32 admissible tasks queued)."""
+        if isinstance(self.cluster.policy, CTBPolicy):
+            self.cluster.kick()
+
     # ====================================================================== role handling
     def _set_rollout(self, ranks: List[int], stall_s: float) -> None:
         now = self.loop.now
@@ -207,6 +215,7 @@ class Simulator:
         yield stall
         self.cluster.version = self.version
         self.cluster.flush_all(self.loop.now, 0.0)  # the rollout ranks stalled with the trainer
+        self._consumed_kick()  # stale groups may have been dropped at the version bump
         if self.workload.is_eval_step(step + 1):
             self._start_eval_phase()
         self._feed_async()
@@ -271,6 +280,7 @@ class Simulator:
             while batch is None:  # a fetch may drop stale groups and fall short: wait again
                 wait += yield from self._wait_for(lambda: self.buffer.ready_trajectories() >= self.B, "batch")
                 batch = self.buffer.fetch_batch(self.version, self.loop.now)
+            self._consumed_kick()
             lengths = sequence_lengths(batch.groups)
             dur = aggregated_round(self.costs, lengths, self.trainer_ranks, self.ra2p_cfg)
             yield dur
@@ -345,6 +355,7 @@ class Simulator:
                 groups = self.buffer.fetch(self.version, self.loop.now, self.B - consumed)
                 if not groups:  # the head group does not fit the remaining batch: take it anyway
                     groups = self.buffer.fetch(self.version, self.loop.now, self.B)
+                self._consumed_kick()
                 lengths = sequence_lengths(groups)
                 consumed += sum(len(g) for g in groups)
                 tokens += sum(g.generated_tokens for g in groups)

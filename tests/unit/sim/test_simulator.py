@@ -85,3 +85,27 @@ def test_ers_moves_ranks(small_config):
 def test_without_ers_tide_keeps_its_shares(small_config):
     m = run_simulation(small_config("mode=tide", "scheduler.ers=false"))
     assert m.role_changes == 0 and len(m.roles) == 1
+
+
+def test_consumption_wakes_the_ctb_dispatcher(small_config):
+    # CTB's staleness throttle reads the unconsumed volume, which only the trainer lowers; a
+    # fetch must make the dispatcher look again, or a rollout whose tasks all finished while
+    # admissions were throttled idles until an unrelated event (or forever).
+    from tide_megatron.sim.simulator import Simulator
+
+    sim = Simulator(small_config("mode=tide", "scheduler.ers=false", "workload.eval_every=0"))
+    fetch_times, kick_times = [], []
+    fetch, kick = sim.buffer.fetch, sim.cluster.kick
+
+    def spy_fetch(*a, **kw):
+        fetch_times.append(sim.loop.now)
+        return fetch(*a, **kw)
+
+    def spy_kick():
+        kick_times.append(sim.loop.now)
+        kick()
+
+    sim.buffer.fetch, sim.cluster.kick = spy_fetch, spy_kick
+    m = sim.run()
+    assert len(m.steps) == 4 and fetch_times
+    assert set(fetch_times) <= set(kick_times)
