@@ -23,12 +23,14 @@ PINNED_SGLANG_VERSION = "0.5.23"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _POLICY = "sglang.srt.managers.schedule_policy"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_SESSIONS = "sglang.srt.session.session_controller.SessionController"
 _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 
 HOOKED_SIGNATURES: dict[str, str] = {
     f"{_SCHED}.handle_generate_request":
         "(self, recv_req: sglang.srt.managers.io_struct.TokenizedGenerateReqInput, *, mm_input_error: Optional[str] = None)",
     f"{_SCHED}.close_session": "(self, recv_req: sglang.srt.managers.io_struct.CloseSessionReqInput)",
+    f"{_SESSIONS}._close": "(self, session_id: 'str')",
     f"{_POLICY}.SchedulePolicy.calc_priority":
         "(self, waiting_queue: 'List[Req]', running_batch: 'Optional[ScheduleBatch]' = None, processed_tokens: 'int' = 0) -> 'None'",
     f"{_POLICY}.PrefillAdder.add_one_req":
@@ -39,7 +41,12 @@ HOOKED_SIGNATURES: dict[str, str] = {
 }
 """Every SGLang function the plugin hooks, with its signature in the pinned version."""
 
-_ATTRIBUTES_READ = (f"{_POLICY}.PrefillAdder.rem_total_tokens", f"{_POLICY}.AddReqResult.OTHER")
+_ATTRIBUTES_READ = (f"{_POLICY}.PrefillAdder.rem_total_tokens", f"{_POLICY}.AddReqResult.OTHER",
+                    "sglang.srt.mem_cache.base_prefix_cache.InsertParams",
+                    "sglang.srt.mem_cache.radix_cache.RadixKey.page_aligned",
+                    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert",
+                    "sglang.srt.session.streaming_session.StreamingSession.release_session",
+                    "sglang.srt.mem_cache.unified_cache.component_type.BASE_COMPONENT_TYPE")
 """Further SGLang names the hooks read."""
 
 
@@ -80,6 +87,7 @@ def register_hooks() -> None:
 
     HookRegistry.register(f"{_SCHED}.handle_generate_request", h.on_generate_request, HookType.BEFORE)
     HookRegistry.register(f"{_SCHED}.close_session", h.on_close_session, HookType.BEFORE)
+    HookRegistry.register(f"{_SESSIONS}._close", h.before_session_release, HookType.BEFORE)
     HookRegistry.register(f"{_POLICY}.SchedulePolicy.calc_priority", h.after_calc_priority, HookType.AFTER)
     HookRegistry.register(f"{_POLICY}.PrefillAdder.add_one_req", h.around_add_one_req, HookType.AROUND)
     HookRegistry.register(f"{_BATCH}._get_decode_retraction_order", h.around_retraction_order, HookType.AROUND)

@@ -15,8 +15,14 @@ untagged (vanilla, request-level) requests keep SGLang's behaviour exactly.
   `retract_decode` must free KV, it retracts the lowest CTB priority first instead of SGLang's
   length-based `retraction_key`.
 - sessions (`Scheduler.close_session`, BEFORE): closing a task's session is how the dispatcher
-  pauses it (its KV becomes evictable, and stays in the radix tree until evicted); the pinned
-  record and its reserve go away with it. Keeping a prefix pinned = keeping the session open.
+  pauses it; the pinned record and its reserve go away with it. Keeping a prefix pinned =
+  keeping the session open.
+- cache on release (`SessionController._close`, BEFORE): SGLang's streaming session publishes
+  only its *first* prompt into the radix tree and, on close, frees every later turn's KV
+  (`StreamingSession.release_session` frees `[cache_protected_len, kv_allocated_len)`). For a
+  CTB task's session the hook first inserts the whole committed context (all turns) into the
+  tree and moves `cache_protected_len` up to it, so release frees only the uncommitted tail and
+  the paused task's context stays as evictable cache that its resume can hit.
 - reporting (`SchedulerOutputStreamer.stream_output`, BEFORE, and
   `is_request_level_customized_info_key`, AROUND): every finished tagged request carries
   `meta_info["tide_ctb"] = [report]` with the task's context and the engine's KV state, so the
@@ -52,6 +58,11 @@ class SchedulerCTBState:
     """Admission checks that kept a new task's first turn queued for lack of KV."""
     ctb_retractions: int = 0
     """Retraction orders computed by CTB priority."""
+    ctb_sessions: set = field(default_factory=set)
+    """Open sessions that carried a tagged request (cached into the tree on close)."""
+    released_cached_tokens: int = 0
+    """Tokens of closed CTB sessions inserted into the radix tree on release (beyond the prompt)."""
+    released_sessions: int = 0
     hooks_called: dict[str, int] = field(default_factory=dict)
 
     def pinned_reserve(self) -> int:
@@ -80,6 +91,7 @@ def on_generate_request(scheduler, recv_req, *args, **kwargs):
     session_params = getattr(recv_req, "session_params", None)
     if session_params is not None and getattr(session_params, "id", None):
         STATE.session_task[session_params.id] = tag.task_id
+        STATE.ctb_sessions.add(session_params.id)
     return None
 
 
@@ -90,6 +102,84 @@ def on_close_session(scheduler, recv_req, *args, **kwargs):
         STATE.count("close_session")
         STATE.pinned.pop(task_id, None)
     return None
+
+
+def before_session_release(controller, session_id, *args, **kwargs):
+    """BEFORE SessionController._close: cache a CTB session's whole context in the radix tree.
+
+    Runs for an immediate close and for a deferred one (`maybe_reap` calls `_close` again once
+    the in-flight turn finished); while a turn is still in flight it does nothing (SGLang defers).
+    """
+    if session_id not in STATE.ctb_sessions:
+        return None
+    session = controller.sessions.get(session_id)
+    if session is None or not session.streaming:
+        STATE.ctb_sessions.discard(session_id)
+        return None
+    if session._inflight or any(not n.req.finished() for n in session.req_nodes.values()):
+        return None  # SGLang defers this close; the hook runs again when it is carried out
+    STATE.ctb_sessions.discard(session_id)
+    if len(session.req_nodes) != 1:
+        return None
+    (node,) = session.req_nodes.values()
+    cache = controller.tree_cache
+    slot = getattr(getattr(cache, "session", None), "slots", {}).get(session_id)
+    if slot is None or not slot.kv.holds_kv:
+        return None
+    try:
+        inserted = cache_session_context(cache, slot.kv, node.req)
+    except Exception:  # never break a close: without the insert, release frees the tail as before
+        import logging
+
+        logging.getLogger(__name__).exception("tide_ctb: caching session %s on release failed", session_id)
+        return None
+    STATE.count("release_cached")
+    STATE.released_sessions += 1
+    STATE.released_cached_tokens += inserted
+    return None
+
+
+def cache_session_context(cache: Any, kv: Any, req: Any) -> int:
+    """Insert `[kv.cache_protected_len, committed)` of a session record into the radix tree.
+
+    `req` is the session's last finished turn: its origin_input_ids + output_ids are the token
+    ids of the record's row. Afterwards the tree owns `[0, committed)` (`cache_protected_len`
+    is moved there), so `release_session` frees only the rest. Returns the tokens the tree took
+    over beyond the previously protected prefix (0 when the cache layout is not the plain one).
+    """
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    if getattr(cache, "disable", False):
+        return 0
+    components = getattr(cache, "_components_tuple", ())
+    if len(components) != 1 or getattr(components[0], "component_type", None) is None:
+        return 0
+    from sglang.srt.mem_cache.unified_cache.component_type import BASE_COMPONENT_TYPE
+
+    if components[0].component_type != BASE_COMPONENT_TYPE or cache.tree_core.is_eagle:
+        return 0
+    finished_len = req.finished_len if req.finished_len is not None else len(req.output_ids)
+    tokens = list(req.origin_input_ids) + list(req.output_ids[:finished_len])
+    end = min(kv.kv_committed_len, kv.kv_allocated_len, len(tokens))
+    protected = kv.cache_protected_len
+    if end <= protected:
+        return 0
+    key = RadixKey(array("q", tokens[:end]), req.extra_key, cache_salt=req.cache_salt).page_aligned(cache.page_size)
+    if len(key) <= protected:
+        return 0
+    values = cache.req_to_token_pool.req_to_token[kv.req_pool_idx, : len(key)].to(dtype=torch.int64, copy=True)
+    result = cache.insert(InsertParams(key=key, value=values, prev_prefix_len=protected,
+                                       inserted_len=kv.cache_inserted_len, priority=req.priority or 0))
+    if result.rotation_tail_declined:
+        return 0
+    # The tree owns [0, len(key)) now (new nodes, or duplicates it freed); release frees the rest.
+    kv.cache_protected_len = len(key)
+    kv.cache_inserted_len = max(kv.cache_inserted_len, len(key))
+    return len(key) - protected
 
 
 # -- admission ----------------------------------------------------------------------------
@@ -184,6 +274,8 @@ def before_stream_output(streamer, reqs, *args, **kwargs):
             "admitted": STATE.admitted,
             "deferred": STATE.deferred,
             "ctb_retractions": STATE.ctb_retractions,
+            "released_sessions": STATE.released_sessions,
+            "released_cached_tokens": STATE.released_cached_tokens,
             "hooks_called": dict(STATE.hooks_called),
             **_kv_state(streamer.tree_cache),
         }

@@ -158,3 +158,40 @@ def test_dispatcher_rollout_on_the_engine_respects_the_kv_budget(stack):
     assert 0 < peak["used"] <= 1024
     assert d.rank_kv[0]["plugin"] == "tide_ctb"
     assert sum(t.cached_tokens for t in trajs) > 0
+
+
+def test_closing_a_ctb_session_leaves_its_whole_context_cached(stack):
+    """Pause = close the session. SGLang alone frees every turn but the first prompt on close;
+    the plugin inserts the whole committed context into the radix tree first, so the resume
+    (whole context, fresh session) hits all of it when the pool is not under pressure."""
+    from sglang_patches.task_tag import ADMIT, RESUME, TURN, TaskTag
+    from tide_megatron.rollout.ctb_task_runner import generate_tagged
+
+    engine, _chat, _env = stack
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+
+    def tag(kind):
+        return TaskTag(kind, "keep/0", "keep", False, 1.0, 128, 32)
+
+    async def go(tagged: bool):
+        await engine.flush_cache()
+        prompt, obs = list(range(300, 340)), list(range(400, 430))
+        sid = await engine.open_session(4096)
+        g1, _ = await generate_tagged(engine, prompt, greedy, tag(ADMIT) if tagged else None, {"id": sid})
+        g2, _ = await generate_tagged(engine, obs, greedy, tag(TURN) if tagged else None, {"id": sid, "rid": g1.rid})
+        context = prompt + g1.output_ids + obs + g2.output_ids
+        await engine.close_session(sid)
+        sid2 = await engine.open_session(4096)
+        g3, report = await generate_tagged(engine, context + [7, 8, 9], greedy, tag(RESUME) if tagged else None,
+                                           {"id": sid2})
+        await engine.close_session(sid2)
+        await engine.flush_cache()
+        return len(context), g3.cached_tokens, report
+
+    context, cached, report = _run(engine, go(tagged=True))
+    # Everything but the last generated token (never forwarded, so it has no KV) is a hit.
+    assert cached >= context - 1, (cached, context)
+    assert report["released_sessions"] >= 1 and report["released_cached_tokens"] >= context - 1 - 40
+    # Untagged sessions keep SGLang's own behaviour: only the first prompt survives the close.
+    _context, cached_plain, _ = _run(engine, go(tagged=False))
+    assert cached_plain < context - 20, (cached_plain, context)
