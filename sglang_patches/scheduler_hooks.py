@@ -7,10 +7,11 @@ untagged (vanilla, request-level) requests keep SGLang's behaviour exactly.
   the request's task and session; a task whose next turn arrives is no longer "waiting pinned".
 - admission (`SchedulePolicy.calc_priority`, AFTER; `PrefillAdder.add_one_req`, AROUND): the
   waiting queue is ordered resident-task turns first (highest CTB priority first), then untagged
-  requests, then first turns of newly admitted tasks. A new task's first turn is prefilled only
-  while the engine's free KV (`rem_total_tokens`, which already excludes KV locked by open
-  sessions) minus the growth reserved for tasks that wait pinned between turns still holds the
-  task's footprint; otherwise it stays queued (never dropped).
+  requests, then first turns of newly admitted tasks. Which tasks run is decided in ONE place,
+  the dispatcher (its per-rank token budget, below the KV pool); the engine does not second-guess
+  it with a reserve of its own (that double bookkeeping kept first turns queued here while the
+  dispatcher counted them as running). A first turn is only held back by SGLang's own check,
+  i.e. when the KV it needs physically is not there; the hook counts admissions for the report.
 - memory pressure (`ScheduleBatch._get_decode_retraction_order`, AROUND): when
   `retract_decode` must free KV, it retracts the lowest CTB priority first instead of SGLang's
   length-based `retraction_key`.
@@ -51,11 +52,10 @@ class SchedulerCTBState:
     session_task: dict[str, str] = field(default_factory=dict)
     """Task id of each open session that carried a tagged request."""
     pinned: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Tasks waiting between turns with an open session: task id -> (context tokens, turn reserve)."""
+    """Tasks waiting between turns with an open session: task id -> (context tokens, turn reserve).
+    Reported only (the dispatcher's budget decides admission)."""
     admitted: int = 0
-    """First turns of new tasks that passed the admission check."""
-    deferred: int = 0
-    """Admission checks that kept a new task's first turn queued for lack of KV."""
+    """First turns of new tasks that SGLang's PrefillAdder took into a prefill batch."""
     ctb_retractions: int = 0
     """Retraction orders computed by CTB priority."""
     ctb_sessions: set = field(default_factory=set)
@@ -199,20 +199,18 @@ def after_calc_priority(result, policy, waiting_queue, *args, **kwargs):
 
 
 def around_add_one_req(original, adder, req, *args, **kwargs):
-    """AROUND PrefillAdder.add_one_req: token-aware admission of a new task's first turn."""
+    """AROUND PrefillAdder.add_one_req: count first turns of admitted tasks SGLang takes in.
+
+    No admission decision here: the dispatcher already admitted the task against its rank's
+    token budget; a second, engine-side reserve check would hold the turn while the dispatcher
+    books it as running. SGLang's own KV check (inside `original`) still applies."""
+    result = original(adder, req, *args, **kwargs)
     tag = _tag(req)
     if tag is not None and tag.kind == ADMIT:
         STATE.count("add_one_req")
-        headroom = int(adder.rem_total_tokens) - STATE.pinned_reserve()
-        if headroom < tag.footprint_tokens:
-            STATE.deferred += 1
-            from sglang.srt.managers.schedule_policy import AddReqResult
-
-            # OTHER stops this prefill round without marking the running batch full; the request
-            # stays at the back of the waiting queue and is tried again next round.
-            return AddReqResult.OTHER
-        STATE.admitted += 1
-    return original(adder, req, *args, **kwargs)
+        if getattr(result, "name", result) == "CONTINUE":  # AddReqResult.CONTINUE
+            STATE.admitted += 1
+    return result
 
 
 # -- memory pressure ----------------------------------------------------------------------
@@ -272,7 +270,6 @@ def before_stream_output(streamer, reqs, *args, **kwargs):
             "pinned_tasks": len(STATE.pinned),
             "pinned_reserve": STATE.pinned_reserve(),
             "admitted": STATE.admitted,
-            "deferred": STATE.deferred,
             "ctb_retractions": STATE.ctb_retractions,
             "released_sessions": STATE.released_sessions,
             "released_cached_tokens": STATE.released_cached_tokens,
