@@ -60,12 +60,154 @@ class CTBDispatchConfig:
     """Fail a rank whose responses carry no `tide_ctb` report (plugin missing or refused)."""
     schedule_interval_s: float = 0.01
     """Longest wait between two scheduling passes when no event wakes the loop earlier."""
+    low_water: float = 0.85
+    """Hysteresis: tasks are admitted or resumed on a rank only while its usage stays at or
+    below this fraction of its budget (pausing starts above the budget, the high-water mark), so
+    a pause is not undone by the next resume a moment later."""
+    hard_water: float = 1.15
+    """Above this fraction of the budget even protected tasks (near their end, or out of pauses)
+    may be paused, lowest P(t) first: the KV pool must never run out."""
+    max_pauses_per_task: int = 2
+    """A task paused this often is not paused again (below `hard_water`)."""
+    task_max_turns: Optional[int] = None
+    """The runner's turn limit; a task on its last `protect_final_turns` turns is not paused."""
+    protect_final_turns: int = 1
+    move_after_s: float = 2.0
+    """A paused task resumes on the rank it ran on (its whole context may still be cached there);
+    only after waiting this long for room there may it move to another rank."""
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.low_water <= 1.0 <= self.hard_water:
+            raise ValueError("need 0 < low_water <= 1 <= hard_water")
+        if self.max_pauses_per_task < 0 or self.protect_final_turns < 0 or self.move_after_s < 0:
+            raise ValueError("max_pauses_per_task, protect_final_turns and move_after_s must be >= 0")
         if not 0.0 < self.kv_budget_fraction <= 1.0:
             raise ValueError("kv_budget_fraction must be in (0, 1]")
         if self.max_resident_tasks_per_rank <= 0:
             raise ValueError("max_resident_tasks_per_rank must be positive")
+
+
+class HysteresisCTBScheduler(CTBScheduler):
+    """Core's CTB policy with hysteresis, pause bounds and own-rank affinity.
+
+    Core's `CTBScheduler` is kept as is (P(t), probing, constraints, resume-before-admit); this
+    subclass changes only *when* its rules fire, to stop pause/resume thrash:
+    - pause only above the high-water mark (the rank budget), down to it, lowest P(t) first
+      (core's order); tasks near their end or already paused `max_pauses_per_task` times are
+      skipped unless usage is above `hard_water` x budget;
+    - admit or resume only while the rank stays at or below `low_water` x budget;
+    - a paused task resumes on the rank it last ran on (its own context is cached there); only
+      after `move_after_s` without room there does it fall back to core's placement (group
+      affinity, then most headroom). Resume-before-admit holds per rank: a rank that a paused
+      task is waiting for admits nothing new; other ranks keep admitting.
+    """
+
+    def __init__(self, config: CTBConfig, *, low_water: float, hard_water: float, max_pauses_per_task: int,
+                 task_max_turns: Optional[int], protect_final_turns: int, move_after_s: float):
+        super().__init__(config)
+        self.low_water, self.hard_water = low_water, hard_water
+        self.max_pauses_per_task = max_pauses_per_task
+        self.task_max_turns, self.protect_final_turns = task_max_turns, protect_final_turns
+        self.move_after_s = move_after_s
+        self.pause_counts: dict = {}
+        self._home: dict = {}
+        """Paused task -> (rank it ran on, time it was paused)."""
+        self._now = 0.0
+
+    def schedule(self, now: float, *, unconsumed_trajectories: int = 0) -> list:
+        self._now = now
+        decisions = self._pause_over_budget()
+        decisions += self._resume_paused()
+        if not self._paused:
+            return decisions + self._admit_new(unconsumed_trajectories)
+        blocked = set()
+        for tid in self._paused:
+            home = self._waiting_home(tid)
+            if home is None:
+                return decisions  # a task that may go anywhere waits for room: nobody is admitted
+            blocked.add(home)
+        saved = {r: self._ranks[r].accepting for r in blocked}
+        try:
+            for r in blocked:
+                self._ranks[r].accepting = False
+            decisions += self._admit_new(unconsumed_trajectories)
+        finally:
+            for r, accepting in saved.items():
+                self._ranks[r].accepting = accepting
+        return decisions
+
+    def _waiting_home(self, tid) -> Optional[int]:
+        """The rank a paused task still waits for (None: it may resume anywhere)."""
+        home = self._home.get(tid)
+        if home is None or home[0] not in self._ranks or self._now - home[1] >= self.move_after_s:
+            return None
+        return home[0]
+
+    def _fits(self, rank: int, need: int) -> bool:  # admission and resumption: below low water
+        pool = self._ranks.get(rank)
+        return pool is not None and pool.accepting and self._used[rank] + need <= pool.budget * self.low_water
+
+    def _protected(self, tid) -> bool:
+        st = self._tasks[tid]
+        if self.pause_counts.get(tid, 0) >= self.max_pauses_per_task:
+            return True
+        return (self.task_max_turns is not None
+                and st.turns_done >= self.task_max_turns - self.protect_final_turns)
+
+    def _pause_over_budget(self) -> list:
+        out = []
+        for rank in self.ranks:
+            pool = self._ranks[rank]
+            if self._used[rank] <= pool.budget:
+                continue
+            # Core's order: lowest priority first; among equals the most recently submitted.
+            victims = sorted(pool.residents, key=lambda t: (self.priority(t), -self._tasks[t].seq))
+            for tid in victims:
+                if self._used[rank] <= pool.budget or len(pool.residents) == 1:
+                    break
+                if self._protected(tid) and self._used[rank] <= pool.budget * self.hard_water:
+                    continue
+                st = self._tasks[tid]
+                prio = self.priority(tid)
+                self._evict(st)
+                self._to_paused(st)
+                self.pause_counts[tid] = self.pause_counts.get(tid, 0) + 1
+                self._home[tid] = (rank, self._now)
+                out.append(Pause(st.task, rank, prio))
+        return out
+
+    def _resume_paused(self) -> list:
+        out = []
+        paused = sorted((self._tasks[t] for t in self._paused), key=lambda st: (-self.priority(st.task.task_id), st.seq))
+        for st in paused:
+            tid = st.task.task_id
+            need = st.footprint
+            home = self._home.get(tid)
+            rank, affinity = None, False
+            if home is not None and self._fits(home[0], need):
+                rank, affinity = home[0], True
+            elif self._waiting_home(tid) is None:
+                group = self._groups[st.task.group_id]
+                for r, _ in sorted(group.prefix_ranks.items(), key=lambda kv: (-kv[1], kv[0])):
+                    if self._fits(r, need):
+                        rank, affinity = r, True
+                        break
+                if rank is None:
+                    rank = self._best_rank(st.task, need)
+                if rank is None:
+                    rank = self._empty_rank_for_oversize(need)
+            if rank is None:
+                continue
+            del self._paused[tid]
+            self._home.pop(tid, None)
+            self._place(st, rank)
+            out.append(Resume(st.task, rank, affinity))
+        return out
+
+    def on_task_finished(self, task_id, context_tokens: Optional[int] = None) -> None:
+        super().on_task_finished(task_id, context_tokens)
+        self._home.pop(task_id, None)
+        self.pause_counts.pop(task_id, None)
 
 
 class PluginMissing(RuntimeError):
@@ -79,7 +221,10 @@ class CTBDispatcher:
                  rank_budgets: Optional[dict[int, int]] = None):
         self.cfg = cfg
         self.engines = engines
-        self.policy = CTBScheduler(cfg.policy)
+        self.policy = HysteresisCTBScheduler(
+            cfg.policy, low_water=cfg.low_water, hard_water=cfg.hard_water,
+            max_pauses_per_task=cfg.max_pauses_per_task, task_max_turns=cfg.task_max_turns,
+            protect_final_turns=cfg.protect_final_turns, move_after_s=cfg.move_after_s)
         self.handles: dict[str, TaskHandle] = {}
         self.assignments: dict[str, TaskAssignment] = {}
         self._quarantined: set[int] = set()

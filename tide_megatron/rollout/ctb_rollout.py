@@ -28,6 +28,8 @@ class LocalCTBRollout:
                   prompt_tokens: Optional[int] = None) -> list[Trajectory]:
         """Run every assignment to completion; trajectories come back in finishing order."""
         d = self.dispatcher
+        if d.cfg.enabled and d.policy.task_max_turns is None:  # protect tasks on their last turn
+            d.policy.task_max_turns = self.runner.cfg.max_turns
         d.submit(assignments, prompt_tokens=prompt_tokens)
         running: dict[asyncio.Task, str] = {}
         done: list[Trajectory] = []

@@ -29,8 +29,8 @@ def _assignments(group, n, is_eval=False):
             for i in range(n)]
 
 
-def _dispatcher(ranks=2, kv=1000, resident=32, **policy):
-    cfg = CTBDispatchConfig(kv_budget_fraction=1.0, max_resident_tasks_per_rank=resident,
+def _dispatcher(ranks=2, kv=1000, resident=32, dispatch=None, **policy):
+    cfg = CTBDispatchConfig(kv_budget_fraction=1.0, max_resident_tasks_per_rank=resident, **(dispatch or {}),
                             policy=CTBConfig(probe_turn_reserve_tokens=50, staleness_throttle=False, **policy))
     return CTBDispatcher(cfg, {r: FakeEngine(kv) for r in range(ranks)})
 
@@ -75,7 +75,7 @@ def test_admission_never_exceeds_any_rank_budget_under_random_growth():
 
 def test_paused_task_resumes_on_its_groups_rank_when_that_rank_has_room():
     async def body():
-        d = _dispatcher(ranks=2, kv=1000)
+        d = _dispatcher(ranks=2, kv=1000, dispatch={"low_water": 1.0})
         d.quarantine(1)  # the whole group starts on rank 0
         d.submit(_assignments("g", 3), prompt_tokens=100)
         d.schedule(0.0)  # the probe only
@@ -171,4 +171,94 @@ def test_a_rank_without_the_plugin_is_refused():
         assert tag.task_id == "g/0" and tag.kind == "admit" and tag.footprint_tokens > 0
         with pytest.raises(PluginMissing):
             d.turn_finished("g/0", 60, None)
+    run(body)
+
+
+def _singles(d, names, prompt=100):
+    for n in names:
+        d.submit(_assignments(n, 1), prompt_tokens=prompt)
+
+
+def test_hysteresis_pauses_above_the_budget_and_resumes_only_below_low_water():
+    async def body():
+        d = _dispatcher(ranks=1, kv=1000, dispatch={"low_water": 0.8})
+        _singles(d, "abcde")
+        d.schedule(0.0)
+        assert len(d.policy.residents(0)) == 5  # 5 x 150 = 750 <= 800 (low water)
+        for tid, ctx in (("a/0", 300), ("b/0", 300), ("c/0", 200), ("d/0", 150), ("e/0", 150)):
+            _turn(d, tid, ctx)
+        for step in range(20):  # 1100 > 1000: one pause, then quiet between low and high water
+            d.schedule(1.0 + step * 0.01)
+        assert d.policy.tasks_in(TaskState.PAUSED) == ["e/0"] and d.stats["pauses"] == 1
+        assert d.policy.rank_usage(0)[0] == 950
+        d.task_finished("d/0", 150)  # 800: a resume (+150) would cross low water again
+        d.schedule(2.0)
+        assert d.stats["resumes"] == 0
+        d.task_finished("c/0", 200)  # 600 + 150 <= 800
+        d.schedule(2.1)
+        assert d.stats["resumes"] == 1 and d.handles["e/0"].rank == 0
+        assert d.stats["pauses"] == 1 and not d.policy.audit()
+    run(body)
+
+
+def test_tasks_near_their_end_or_out_of_pauses_are_not_paused_below_hard_water():
+    async def body():
+        d = _dispatcher(ranks=1, kv=1000, dispatch={"task_max_turns": 3, "max_pauses_per_task": 1,
+                                                    "hard_water": 1.2, "low_water": 0.8})
+        _singles(d, "ab")
+        d.schedule(0.0)
+        _turn(d, "a/0", 500)
+        _turn(d, "b/0", 100)
+        _turn(d, "b/0", 560)  # b has done 2 of 3 turns: its last turn is next -> protected
+        d.schedule(1.0)  # 1060 > 1000 but <= 1200: only a (not protected) can go
+        assert d.policy.tasks_in(TaskState.PAUSED) == ["a/0"]
+        d.task_finished("b/0", 560)
+        d.schedule(2.0)
+        assert d.handles["a/0"].rank == 0  # resumed (its one pause is spent)
+        _singles(d, "c")
+        d.schedule(2.1)
+        _turn(d, "c/0", 300)
+        _turn(d, "a/0", 750)  # 1050: a is out of pauses, c is the only candidate
+        d.schedule(3.0)
+        assert d.policy.tasks_in(TaskState.PAUSED) == ["c/0"]
+        _turn(d, "a/0", 1250)  # alone on the rank: nothing to pause, never below one resident
+        d.schedule(4.0)
+        assert d.policy.residents(0) == ["a/0"]
+        assert not d.policy.audit()
+    run(body)
+
+
+def test_protection_is_lifted_above_hard_water():
+    async def body():
+        d = _dispatcher(ranks=1, kv=1000, dispatch={"task_max_turns": 2, "hard_water": 1.1, "low_water": 0.8})
+        _singles(d, "ab")
+        d.schedule(0.0)
+        _turn(d, "a/0", 600)
+        _turn(d, "b/0", 590)  # both on their last turn, 1190 > 1100
+        d.schedule(1.0)
+        assert len(d.policy.tasks_in(TaskState.PAUSED)) == 1 and not d.policy.audit()
+    run(body)
+
+
+def test_paused_task_waits_for_its_own_rank_then_moves_and_other_ranks_keep_admitting():
+    async def body():
+        d = _dispatcher(ranks=2, kv=1000, dispatch={"low_water": 0.8, "move_after_s": 5.0})
+        d.quarantine(1)
+        _singles(d, "ab")
+        d.schedule(0.0)
+        d.quarantine(1, False)
+        _turn(d, "a/0", 600)
+        _turn(d, "b/0", 500)
+        d.schedule(1.0)
+        (paused,) = d.policy.tasks_in(TaskState.PAUSED)
+        _singles(d, "c")
+        d.schedule(2.0)  # rank 1 is empty but the paused task waits for rank 0 (its cache)
+        assert d.policy.tasks_in(TaskState.PAUSED) == [paused]
+        assert d.handles["c/0"].rank == 1  # rank 1 is not blocked: new work still goes there
+        _singles(d, "d")
+        d.schedule(2.5)
+        assert d.handles["d/0"].rank == 1  # rank 0 admits nothing while a task waits for it
+        d.schedule(6.5)  # waited 5.5 s: moves to wherever it fits
+        assert d.handles[paused].rank == 1 and d.stats["resumes"] == 1
+        assert not d.policy.audit()
     run(body)
