@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
 from tide_megatron.rollout.engine import RolloutEngineConfig
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 from tide_megatron.trainer.config import TrainerConfig
 
 SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")
-IMPLEMENTED_MODES = ("sync",)
+IMPLEMENTED_MODES = ("sync", "tide")
+RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
 
 
 @dataclass
@@ -80,6 +82,9 @@ class ClusterConfig:
     rollout_ranks: int = 1
     """Ranks that start as rollout (the last ones); the others train. Rank 0 always
     trains and runs the controller."""
+    ref_ranks: int = 0
+    """Dedicated reference ranks for decoupled RA2P (`scheduler.mode=tide`), placed right
+    after the actor ranks. 0: the reference always runs colocated with the actor."""
 
 
 @dataclass
@@ -87,7 +92,9 @@ class SchedulerConfig:
     """What is rolled out and when it is trained on."""
 
     mode: str = "sync"
-    """`sync` (roll out a global batch, train, sync). Planned: `async_static`, `stream`, `tide`."""
+    """`sync`: roll out a global batch, train, push weights. `tide`: rollout never stops;
+    each step streams ready groups into the trainer with the RA2P mode chosen from RAS and
+    TPRM, within the staleness bound. `async_static` and `stream` run in the simulator."""
     groups_per_step: int = 4
     """GRPO groups in one global batch."""
     group_size: int = 4
@@ -127,6 +134,24 @@ class RolloutConfig:
 
 
 @dataclass
+class RA2PJobConfig:
+    """How the trainer runs Ref and Actor in `scheduler.mode=tide`."""
+
+    executor: str = "auto"
+    """`auto`: choose colocated or decoupled each step from RAS and TPRM with measured costs;
+    or force one: `colocated`, `decoupled`, and the baselines `vs` (vanilla streaming, both
+    models resident) and `vso` (vanilla streaming with model offloading)."""
+    cost_model: RA2PConfig = field(default_factory=RA2PConfig)
+    """Constants of the C_dec / C_col comparison; its swap cost is replaced by measurement."""
+    prior_ref_fwd_s: float = 0.05
+    """Reference forward per micro-batch assumed until measured."""
+    prior_actor_fwd_s: float = 0.05
+    """Actor forward per micro-batch assumed until measured."""
+    prior_actor_bwd_s: float = 0.1
+    """Actor backward per micro-batch assumed until measured."""
+
+
+@dataclass
 class MetricsConfig:
     """Where step metrics go."""
 
@@ -149,6 +174,7 @@ class JobConfig:
     envs: EnvsConfig = field(default_factory=EnvsConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ra2p: RA2PJobConfig = field(default_factory=RA2PJobConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
@@ -156,12 +182,16 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     """Checks that need more than one field; raises ValueError naming the keys."""
     if cfg.scheduler.mode not in SCHEDULER_MODES:
         raise ValueError(f"scheduler.mode={cfg.scheduler.mode!r}: expected one of {SCHEDULER_MODES}")
-    trainers = world_size - cfg.cluster.rollout_ranks
-    if cfg.cluster.rollout_ranks < 1 or trainers < 1:
+    trainers = world_size - cfg.cluster.rollout_ranks - cfg.cluster.ref_ranks
+    if cfg.cluster.rollout_ranks < 1 or trainers < 1 or cfg.cluster.ref_ranks < 0:
         raise ValueError(
-            f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} with world size {world_size}: "
-            "need at least one rollout rank and one trainer rank"
+            f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} and cluster.ref_ranks={cfg.cluster.ref_ranks} "
+            f"with world size {world_size}: need at least one rollout rank and one actor rank"
         )
+    if cfg.ra2p.executor not in RA2P_EXECUTORS:
+        raise ValueError(f"ra2p.executor={cfg.ra2p.executor!r}: expected one of {RA2P_EXECUTORS}")
+    if cfg.cluster.ref_ranks and cfg.scheduler.mode == "sync":
+        raise ValueError("cluster.ref_ranks > 0 needs scheduler.mode=tide (sync colocates the reference)")
     if trainers % cfg.trainer.tp_size:
         raise ValueError(f"{trainers} trainer ranks do not divide by trainer.tp_size={cfg.trainer.tp_size}")
     if cfg.scheduler.group_size < 2:
@@ -175,10 +205,21 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         )
 
 
-def check_runnable(cfg: JobConfig) -> None:
+def check_runnable(cfg: JobConfig, world_size: int) -> None:
     """What the real system cannot run yet, said before any process group is made."""
     if cfg.scheduler.mode not in IMPLEMENTED_MODES:
         raise ValueError(
             f"scheduler.mode={cfg.scheduler.mode!r} is not available in the real system yet "
             f"(available: {IMPLEMENTED_MODES}); launch/simulate.py runs every mode"
         )
+    if cfg.scheduler.mode == "tide":
+        actors = world_size - cfg.cluster.rollout_ranks - cfg.cluster.ref_ranks
+        if actors != 1 or cfg.trainer.tp_size != 1 or cfg.cluster.ref_ranks > 1:
+            raise ValueError(
+                f"scheduler.mode=tide runs one actor rank with trainer.tp_size=1 and at most one "
+                f"reference rank in this version; got {actors} actor ranks, trainer.tp_size="
+                f"{cfg.trainer.tp_size}, cluster.ref_ranks={cfg.cluster.ref_ranks}")
+        if cfg.trainer.kl_coef == 0.0:
+            raise ValueError("scheduler.mode=tide pipelines the reference model: set trainer.kl_coef > 0")
+        if cfg.ra2p.executor == "decoupled" and not cfg.cluster.ref_ranks:
+            raise ValueError("ra2p.executor=decoupled needs cluster.ref_ranks=1")

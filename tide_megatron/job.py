@@ -31,8 +31,9 @@ class Job:
         self.cfg = cfg
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world)
-        check_runnable(cfg)
-        self.topo: Topology = init_topology(cfg.cluster.rollout_ranks, cfg.trainer.tp_size, cfg.run.seed)
+        check_runnable(cfg, world)
+        self.topo: Topology = init_topology(cfg.cluster.rollout_ranks, cfg.trainer.tp_size, cfg.run.seed,
+                                            ref_ranks=cfg.cluster.ref_ranks)
         self.mailbox = Mailbox(self.topo.store, self.topo.rank)
         self._env_server = None
         self._closers: list[Any] = []
@@ -115,6 +116,11 @@ class Job:
     def run(self) -> None:
         if self.topo.trains:
             self._run_trainer()
+        elif self.topo.rank in self.topo.ref_ranks:
+            from tide_megatron.controller.ref_rank import RefRank
+
+            RefRank(self.model_path, self.topo.rank, self.topo.trainer_ranks[0], self.topo.job_group,
+                    self.cfg.trainer.pad_to_multiple_of).serve(self.mailbox)
         else:
             self._run_rollout()
 
@@ -146,6 +152,7 @@ class Job:
             trainer.serve(self.mailbox)
             return
         from tide_megatron.controller.controller import Controller
+        from tide_megatron.controller.streaming import StreamingController
         from tide_megatron.utils.metrics import MetricsLogger
 
         metrics = MetricsLogger(run.output_dir, run.steps, start_step, jsonl=self.cfg.metrics.jsonl,
@@ -153,7 +160,8 @@ class Job:
         self._closers.append(metrics)
         if start_step:
             metrics.write(f"resumed from step {start_step}")
-        controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step)
+        controller_cls = StreamingController if self.cfg.scheduler.mode == "tide" else Controller
+        controller = controller_cls(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step)
         try:
             controller.run()
         except BaseException:

@@ -12,6 +12,7 @@ they go over a process group (see `weight_sync.py`).
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 CONTROLLER = 0
@@ -25,6 +26,8 @@ class Mailbox:
         self._prefix = namespace
         self.owner = owner
         self._next = 0  # next slot this owner reads
+        # The controller posts from its dispatch thread and its training thread.
+        self._lock = threading.Lock()
 
     def _count_key(self, dest: int) -> str:
         return f"{self._prefix}/{dest}/n"
@@ -32,17 +35,19 @@ class Mailbox:
     def post(self, dest: int, kind: str, **payload: Any) -> None:
         """Append a message to `dest`'s queue. Never blocks on the receiver."""
         body = json.dumps({"kind": kind, "src": self.owner, **payload}, separators=(",", ":"))
-        slot = self._store.add(self._count_key(dest), 1) - 1
-        self._store.set(f"{self._prefix}/{dest}/{slot}", body)
+        with self._lock:
+            slot = self._store.add(self._count_key(dest), 1) - 1
+            self._store.set(f"{self._prefix}/{dest}/{slot}", body)
 
     def poll(self, limit: int = 1 << 30) -> list[dict[str, Any]]:
         """Read the messages posted to this owner since the last poll, in order."""
-        available = self._store.add(self._count_key(self.owner), 0)
-        out = []
-        while self._next < available and len(out) < limit:
-            key = f"{self._prefix}/{self.owner}/{self._next}"
-            # A sender has reserved the slot but may not have written it yet: get() waits.
-            out.append(json.loads(self._store.get(key)))
-            self._store.delete_key(key)
-            self._next += 1
-        return out
+        with self._lock:
+            available = self._store.add(self._count_key(self.owner), 0)
+            out = []
+            while self._next < available and len(out) < limit:
+                key = f"{self._prefix}/{self.owner}/{self._next}"
+                # A sender has reserved the slot but may not have written it yet: get() waits.
+                out.append(json.loads(self._store.get(key)))
+                self._store.delete_key(key)
+                self._next += 1
+            return out

@@ -19,8 +19,8 @@ from tide_megatron.controller.mailbox import CONTROLLER, Mailbox
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.trainer import checkpoint as ckpt
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult
+from tide_megatron.trainer.batch import MicroBatch, collate, pack_micro_batches
 from tide_megatron.trainer.batch import Trajectory as TrainTrajectory
-from tide_megatron.trainer.batch import pack_micro_batches
 from tide_megatron.trainer.config import TrainerConfig
 
 POLL_INTERVAL_S = 0.01
@@ -34,6 +34,12 @@ def to_train_trajectory(data: dict[str, Any]) -> TrainTrajectory:
         old_logprobs=torch.tensor(data["logprobs"], dtype=torch.float32),  # [T]
         advantage=float(data["advantage"]),
     )
+
+
+def micro_batch_of(trajectories: list[dict[str, Any]], pad_to_multiple_of: int = 1) -> MicroBatch:
+    """One micro-batch of rollout trajectories; the actor and a reference rank build the same
+    tensors from the same message, so their shapes match for the log-prob stream."""
+    return collate([to_train_trajectory(t) for t in trajectories], pad_to_multiple_of)
 
 
 class TrainerRank:

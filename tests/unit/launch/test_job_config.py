@@ -47,8 +47,8 @@ def test_recipes_compose_and_validate(compose_job, recipe, world):
 
 def test_real_recipes_say_what_is_not_runnable_yet(compose_job):
     job = compose_job("+recipe=webshop_qwen2_5_7b")
-    with pytest.raises(ValueError, match="scheduler.mode='tide' is not available"):
-        check_runnable(job)
+    with pytest.raises(ValueError, match="scheduler.mode=tide runs one actor rank"):
+        check_runnable(job, 32)
 
 
 def test_overrides_reach_the_dataclasses(compose_job):
