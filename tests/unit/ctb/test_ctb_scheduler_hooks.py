@@ -118,3 +118,27 @@ def test_report_is_attached_once_to_finished_tagged_requests_only():
     assert h.STATE.pinned["a/0"] == (48, 50)  # waits pinned in its session until the next turn
     assert h.around_is_request_level_key(lambda s, k: False, None, h.REPORT_KEY)
     assert not h.around_is_request_level_key(lambda s, k: False, None, "other")
+
+
+def test_session_release_caches_only_finished_ctb_sessions(monkeypatch):
+    calls = []
+    monkeypatch.setattr(h, "cache_session_context", lambda cache, kv, req: calls.append(req.rid) or 42)
+    _req(_tag(ADMIT, "a/0", 1.0), session="s-a")
+    done = SimpleNamespace(rid="r-a", finished=lambda: True)
+    busy = SimpleNamespace(rid="r-b", finished=lambda: False)
+    slot = SimpleNamespace(kv=SimpleNamespace(holds_kv=True))
+    cache = SimpleNamespace(session=SimpleNamespace(slots={"s-a": slot, "s-b": slot, "s-u": slot}))
+
+    def session(req, inflight=False):
+        return SimpleNamespace(streaming=True, _inflight=inflight, req_nodes={req.rid: SimpleNamespace(req=req)})
+
+    _req(_tag(TURN, "b/0", 1.0), session="s-b")
+    controller = SimpleNamespace(tree_cache=cache, sessions={"s-a": session(done), "s-b": session(busy),
+                                                             "s-u": session(done)})
+    h.before_session_release(controller, "s-b")  # a turn in flight: SGLang defers, so do we
+    h.before_session_release(controller, "s-u")  # untagged session: SGLang's behaviour
+    assert calls == [] and "s-b" in h.STATE.ctb_sessions
+    h.before_session_release(controller, "s-a")
+    assert calls == ["r-a"] and h.STATE.released_cached_tokens == 42 and "s-a" not in h.STATE.ctb_sessions
+    h.before_session_release(controller, "s-a")  # once per session
+    assert calls == ["r-a"]
