@@ -93,6 +93,9 @@ class Simulator:
         self.groups: Dict[int, Group] = {}
         self.train_groups_started = 0
         self.trajectories_finished = 0
+        self.min_prompt_tokens = math.inf
+        """Shortest prompt of any trajectory ever submitted (a floor on every running context;
+        the ideal-workload bound reads it)."""
         self.eval_outstanding = 0
         self.eval_pending_phase = False
         self.metrics = RunMetrics(mode=self._label(), n_gpus=cfg.n_gpus, n_ranks=self.n_ranks)
@@ -123,6 +126,7 @@ class Simulator:
 
     def _submit(self, groups: List[Group]) -> None:
         for g in groups:
+            self.min_prompt_tokens = min(self.min_prompt_tokens, min(t.prompt_tokens for t in g.trajectories))
             self.buffer.open_group(g.group_id, g.group_id, self.loop.now, size=g.size, is_eval=g.is_eval)
         self.cluster.submit([t for g in groups for t in g.trajectories])
 
