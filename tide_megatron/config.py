@@ -107,6 +107,14 @@ class SchedulerConfig:
     """A failed trajectory is re-run this many times before the run stops with its error."""
     stall_timeout_s: float = 1800.0
     """The run stops with an error when no trajectory finishes for this long (a hung rank)."""
+    eval_every: int = 0
+    """`tide` mode: evaluate the model of every N-th step on eval tasks that run during the
+    next step, ahead of training tasks; their metrics are gathered before that step's weight
+    sync and logged under the evaluated step (`eval/*`). 0 turns evaluation off."""
+    eval_groups: int = 2
+    """Eval task groups per evaluation (each of `group_size` samples: best-of-N, pass@N)."""
+    eval_pass_threshold: float = 1.0
+    """An eval trajectory passes when its reward is at least this."""
 
 
 @dataclass

@@ -127,16 +127,16 @@ class Job:
     def _client_config(self):
         return dataclasses.replace(self.cfg.envs.client, host=self.env_host, port=self.env_port)
 
-    def _list_tasks(self) -> list[dict[str, Any]]:
+    def _list_tasks(self, split: str = "train") -> list[dict[str, Any]]:
         from tide_megatron.envs.client import EnvClient
 
         async def fetch():
             async with EnvClient(self._client_config()) as client:
-                return await client.list_tasks(self.cfg.envs.train_env, "train")
+                return await client.list_tasks(self.cfg.envs.train_env, split)
 
         tasks = asyncio.run(fetch())
         if not tasks:
-            raise RuntimeError(f"env {self.cfg.envs.train_env!r} offers no train tasks")
+            raise RuntimeError(f"env {self.cfg.envs.train_env!r} offers no {split} tasks")
         return [t.to_json() for t in tasks]
 
     def _run_trainer(self) -> None:
@@ -160,8 +160,12 @@ class Job:
         self._closers.append(metrics)
         if start_step:
             metrics.write(f"resumed from step {start_step}")
-        controller_cls = StreamingController if self.cfg.scheduler.mode == "tide" else Controller
-        controller = controller_cls(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step)
+        if self.cfg.scheduler.mode == "tide":
+            eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
+            controller = StreamingController(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(),
+                                             start_step, eval_tasks=eval_tasks)
+        else:
+            controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step)
         try:
             controller.run()
         except BaseException:

@@ -6,6 +6,10 @@ Rank 0 runs two threads over one global buffer:
   keeps every rollout rank busy within the staleness bound (whole GRPO groups on one rank,
   so members share the prompt's prefix), and while a step is open hands each newly
   completed group to the trainer as a micro-batch, the moment it completes.
+- Evaluation (`scheduler.eval_every`): right after the weights of step i are pushed, eval
+  groups for that model go to the front of the dispatch queue and run during step i+1;
+  before step i+1's weights are pushed the trainer waits for them (an eval that slipped
+  would blur which model it measured) and logs their metrics under step i.
 - `StreamingController.run` (the main thread, where Megatron's state lives): waits for
   ready work, measures RAS and the head-of-line age, chooses the RA2P mode from RAS and
   TPRM with costs the executors measured, plans the ready micro-batches with the core
@@ -38,6 +42,7 @@ from tide_megatron.core.buffer import BufferConfig, CompletedGroup, GlobalBuffer
 from tide_megatron.core.buffer import Trajectory as BufferTrajectory
 from tide_megatron.core.ra2p import MicroBatchTimes, RA2PMode, plan_microbatches
 from tide_megatron.core.signals import SignalsConfig
+from tide_megatron.rollout.eval_aggregator import EvalAggregator
 from tide_megatron.rollout.task_runner import TaskAssignment, Trajectory
 from tide_megatron.trainer.ra2p import (
     ArrivingSource,
@@ -80,7 +85,7 @@ class RolloutFeed(threading.Thread):
         self._queue: deque[TaskAssignment] = deque()
         self._groups_started = 0
         self._retries: dict[str, int] = defaultdict(int)
-        self._consumed_trajs: list[Trajectory] = []
+        self.evals = EvalAggregator(pass_threshold=cfg.scheduler.eval_pass_threshold)
         # The open step: where arrivals go and how many groups it still takes.
         self._sink: ArrivingSource | None = None
         self._sink_groups_left = 0
@@ -114,6 +119,29 @@ class RolloutFeed(threading.Thread):
         with self.lock:
             self.version = version
 
+    def submit_eval(self, version: int, tasks: list[dict[str, Any]]) -> None:
+        """Eval groups for the model `version`, ahead of every queued training task."""
+        sched = self.cfg.scheduler
+        with self.lock:
+            assignments = []
+            for g in range(sched.eval_groups):
+                task = self._rng.choice(tasks)
+                group_id = f"eval_v{version}g{g}"
+                self.buffer.open_group(group_id, task["task_id"], time.monotonic(), is_eval=True)
+                assignments += [TaskAssignment(task=task, group_id=group_id, index=i, is_eval=True)
+                                for i in range(sched.group_size)]
+            self.evals.expect(version, assignments)
+            self._queue.extendleft(reversed(assignments))
+
+    def eval_ready(self, version: int) -> bool:
+        with self.lock:
+            return self.evals.ready(version)
+
+    def pop_eval(self, version: int):
+        with self.lock:
+            self.buffer.pop_eval_groups()  # the aggregator keeps what is logged
+            return self.evals.pop(version)
+
     def take(self, kind: str) -> list[dict[str, Any]]:
         with self.lock:
             out = list(self._inbox[kind])
@@ -145,7 +173,9 @@ class RolloutFeed(threading.Thread):
                     group_id=traj.group_id, index=traj.index, task_id=traj.task["task_id"],
                     policy_version=traj.policy_version, prompt_tokens=len(traj.token_ids) - traj.generated_tokens,
                     generated_tokens=traj.generated_tokens, reward=traj.reward, started_at=traj.started_at,
-                    finished_at=traj.finished_at, payload=traj), time.monotonic(), consumer_version=self.version)
+                    finished_at=traj.finished_at, is_eval=traj.is_eval, payload=traj),
+                    time.monotonic(), consumer_version=self.version)
+                self.evals.record(traj)
             elif kind == "task_failed":
                 self._load[msg["src"]] -= 1
                 a = TaskAssignment(**msg["assignment"])
@@ -201,8 +231,11 @@ class StreamingController:
     """The main thread of rank 0 in `scheduler.mode=tide`."""
 
     def __init__(self, cfg: JobConfig, topo: Topology, mailbox: Mailbox, trainer: TrainerRank,
-                 metrics: MetricsLogger, tasks: list[dict[str, Any]], start_step: int = 0):
+                 metrics: MetricsLogger, tasks: list[dict[str, Any]], start_step: int = 0,
+                 eval_tasks: list[dict[str, Any]] | None = None):
         self.cfg, self.topo, self.mailbox, self.trainer, self.metrics = cfg, topo, mailbox, trainer, metrics
+        self.eval_tasks = eval_tasks or []
+        self._eval_pending: int | None = None  # the model version whose eval is running
         self.step = start_step
         self.version = start_step
         sched = cfg.scheduler
@@ -234,9 +267,11 @@ class StreamingController:
             self._wait_ready_ranks()
             if self.version > 0:
                 self._push_weights()
+            self._start_eval()
             while self.step < self.cfg.run.steps:
                 self._one_step()
                 self._check_feed()
+            self._finish_eval()  # the last model's eval has no next step to hide behind
         finally:
             self.feed.stop()
             self.feed.join(timeout=10)
@@ -317,13 +352,43 @@ class StreamingController:
         self.step += 1
         self.feed.set_version(self.version)
         t_sync = time.perf_counter()
+        eval_wait_s = self._finish_eval()
         self._push_weights()
+        self._start_eval()
         sync_s = time.perf_counter() - t_sync
-        self._log(consumed, result, report, mode, choice, ras, hol, readiness, twt, train_s, sync_s,
-                  step_s=time.perf_counter() - t0)
+        self._log(consumed, result, report, mode, choice, ras, hol, readiness, twt + eval_wait_s, train_s,
+                  sync_s, step_s=time.perf_counter() - t0)
         interval = self.cfg.run.checkpoint_interval
         if (interval and self.step % interval == 0) or self.step == self.cfg.run.steps:
             self.metrics.write(f"checkpoint: {self.trainer.save()}")
+
+    def _start_eval(self) -> None:
+        every = self.cfg.scheduler.eval_every
+        if every and self.eval_tasks and self.version % every == 0:
+            self.feed.submit_eval(self.version, self.eval_tasks)
+            self._eval_pending = self.version
+
+    def _finish_eval(self) -> float:
+        """Wait for the running eval, log it under the step whose model it measured; returns
+        the seconds waited (trainer waiting time)."""
+        if self._eval_pending is None:
+            return 0.0
+        version, self._eval_pending = self._eval_pending, None
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.scheduler.stall_timeout_s
+        while not self.feed.eval_ready(version):
+            self._check_feed()
+            if time.monotonic() > deadline:
+                raise RunError(f"evaluation of step {version} did not finish within "
+                               f"{self.cfg.scheduler.stall_timeout_s:.0f} s")
+            time.sleep(POLL_INTERVAL_S)
+        waited = time.perf_counter() - t0
+        metrics = self.feed.pop_eval(version)
+        self.metrics.log_at(version, {**metrics.to_log(), "eval/wait_s": waited})
+        self.metrics.write(f"eval of step {version}: mean reward {metrics.mean_reward:.3f}, "
+                           f"best-of-{self.cfg.scheduler.group_size} {metrics.best_of_n_reward:.3f}, "
+                           f"pass rate {metrics.pass_rate:.3f}")
+        return waited
 
     def _merge_ref_costs(self) -> None:
         deadline = time.monotonic() + 600

@@ -32,6 +32,16 @@ class MetricsLogger:
                              dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """One training step's record; advances the progress bar."""
+        self.log_at(step, metrics)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                {k: f"{metrics[k]:.3g}" for k in ("reward/mean", "goodput_tok_s", "time/step_s") if k in metrics}
+            )
+
+    def log_at(self, step: int, metrics: dict[str, Any]) -> None:
+        """A record that belongs to `step` but arrives later (evaluation of that step's model)."""
         record = {"step": step, **metrics}
         if self._jsonl:
             self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
@@ -41,11 +51,6 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix(
-                {k: f"{metrics[k]:.3g}" for k in ("reward/mean", "goodput_tok_s", "time/step_s") if k in metrics}
-            )
 
     def write(self, message: str) -> None:
         """A line on the console that does not break the progress bar."""

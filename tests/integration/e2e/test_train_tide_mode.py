@@ -26,13 +26,15 @@ def run_tide(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def rows(run_dir: Path, eval_rows: bool = False) -> list[dict]:
+    out = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in out if ("eval/mean_reward" in r) == eval_rows]
 
 
 @pytest.mark.parametrize("executor", ["auto", "decoupled"])
 def test_tide_mode_streams_and_logs_the_ra2p_choice(tmp_path, executor):
-    proc = run_tide(tmp_path, f"ra2p.executor={executor}")
+    evals = ["scheduler.eval_every=1", "scheduler.eval_groups=1"] if executor == "auto" else []
+    proc = run_tide(tmp_path, f"ra2p.executor={executor}", *evals)
     assert proc.returncode == 0, proc.stderr[-8000:]
     steps = rows(tmp_path)
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -46,12 +48,19 @@ def test_tide_mode_streams_and_logs_the_ra2p_choice(tmp_path, executor):
         assert r["kl"] >= 0.0
         assert r["ledger/generated"] == sum(r[f"ledger/{k}"] for k in
                                             ("in_flight", "ready", "consumed", "dropped_stale", "lost", "evaluated"))
-    if executor == "auto":
+    if executor == "decoupled":
+        assert {r["ra2p/mode"] for r in steps} == {"decoupled"}
+        # the reference rank streamed its log-probs: a KL term exists after the first update
+        assert steps[-1]["kl"] > 0.0 and steps[-1]["ra2p/num_swaps"] == 0
+    else:
         # The choice is the cost model's: both costs are logged and the cheaper mode ran.
         for r in steps:
             cheaper = "decoupled" if r["ra2p/cost_decoupled"] < r["ra2p/cost_colocated"] else "colocated"
             assert r["ra2p/mode"] == cheaper
-    else:
-        assert {r["ra2p/mode"] for r in steps} == {"decoupled"}
-        # the reference rank streamed its log-probs: a KL term exists after the first update
-        assert steps[-1]["kl"] > 0.0 and steps[-1]["ra2p/num_swaps"] == 0
+        # every model, the initial one included, was evaluated during the next step and logged under its own step
+        evaluated = rows(tmp_path, eval_rows=True)
+        assert [r["step"] for r in evaluated] == [0, 1, 2, 3]
+        for r in evaluated:
+            assert r["eval/complete"] == 1.0 and r["eval/trajectories"] == 2.0
+            assert 0.0 <= r["eval/mean_reward"] <= r["eval/best_of_n_reward"] <= 1.0
+        assert steps[-1]["ledger/evaluated"] > 0
