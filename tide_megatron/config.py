@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
+from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig
 from tide_megatron.rollout.engine import RolloutEngineConfig
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 from tide_megatron.trainer.config import TrainerConfig
@@ -183,6 +184,8 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ra2p: RA2PJobConfig = field(default_factory=RA2PJobConfig)
+    ctb: CTBDispatchConfig = field(default_factory=CTBDispatchConfig)
+    """Continuous Task Batching in `tide` mode (`ctb.enabled=false`: request-level scheduling)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 

@@ -3,9 +3,11 @@
 Rank 0 runs two threads over one global buffer:
 
 - `RolloutFeed` (a thread): polls the mailbox, books finished trajectories into the buffer,
-  keeps every rollout rank busy within the staleness bound (whole GRPO groups on one rank,
-  so members share the prompt's prefix), and while a step is open hands each newly
-  completed group to the trainer as a micro-batch, the moment it completes.
+  keeps rollout fed within the staleness bound, and while a step is open hands each newly
+  completed group to the trainer as a micro-batch, the moment it completes. With CTB
+  (`ctb.enabled`, see `ctb_remote.py`) tasks are admitted, paused and resumed task by task
+  against each rank's KV budget; without it (request-level) whole groups go to the least
+  loaded rank, so members share the prompt's prefix, and SGLang alone batches.
 - Evaluation (`scheduler.eval_every`): right after the weights of step i are pushed, eval
   groups for that model go to the front of the dispatch queue and run during step i+1;
   before step i+1's weights are pushed the trainer waits for them (an eval that slipped
@@ -35,6 +37,7 @@ from typing import Any
 
 from tide_megatron.config import JobConfig
 from tide_megatron.controller.controller import RunError
+from tide_megatron.controller.ctb_remote import RemoteCTB
 from tide_megatron.controller.mailbox import Mailbox
 from tide_megatron.controller.topology import Topology
 from tide_megatron.controller.trainer_rank import TrainerRank, micro_batch_of, to_train_trajectory
@@ -86,6 +89,18 @@ class RolloutFeed(threading.Thread):
         self._groups_started = 0
         self._retries: dict[str, int] = defaultdict(int)
         self.evals = EvalAggregator(pass_threshold=cfg.scheduler.eval_pass_threshold)
+        self.ctb: RemoteCTB | None = None
+        self._group_done: dict[str, int] = defaultdict(int)
+        if cfg.ctb.enabled:
+            sched = cfg.scheduler
+            pool = cfg.rollout.engine.max_total_tokens
+            budget = int(pool * cfg.ctb.kv_budget_fraction) if pool else cfg.ctb.policy.rank_token_budget
+            # The policy's staleness throttle and turn limit are the job's, not defaults.
+            ctb_cfg = dataclasses.replace(
+                cfg.ctb, task_max_turns=cfg.rollout.runner.max_turns,
+                policy=dataclasses.replace(cfg.ctb.policy, max_staleness=sched.max_staleness,
+                                           trainer_batch_trajectories=sched.groups_per_step * sched.group_size))
+            self.ctb = RemoteCTB(ctb_cfg, mailbox, {r: budget for r in topo.rollout_ranks})
         # The open step: where arrivals go and how many groups it still takes.
         self._sink: ArrivingSource | None = None
         self._sink_groups_left = 0
@@ -118,6 +133,8 @@ class RolloutFeed(threading.Thread):
     def set_version(self, version: int) -> None:
         with self.lock:
             self.version = version
+            if self.ctb is not None:
+                self.ctb.on_weight_sync()
 
     def submit_eval(self, version: int, tasks: list[dict[str, Any]]) -> None:
         """Eval groups for the model `version`, ahead of every queued training task."""
@@ -131,7 +148,10 @@ class RolloutFeed(threading.Thread):
                 assignments += [TaskAssignment(task=task, group_id=group_id, index=i, is_eval=True)
                                 for i in range(sched.group_size)]
             self.evals.expect(version, assignments)
-            self._queue.extendleft(reversed(assignments))
+            if self.ctb is not None:
+                self.ctb.submit(assignments)  # I_eval gives them the top priority
+            else:
+                self._queue.extendleft(reversed(assignments))
 
     def eval_ready(self, version: int) -> bool:
         with self.lock:
@@ -168,7 +188,14 @@ class RolloutFeed(threading.Thread):
             kind = msg["kind"]
             if kind == "trajectory":
                 traj = Trajectory.from_json(msg["trajectory"])
-                self._load[msg["src"]] -= 1
+                if self.ctb is None:
+                    self._load[msg["src"]] -= 1
+                else:
+                    self.ctb.on_finished(f"{traj.group_id}/{traj.index}", len(traj.token_ids))
+                    self._group_done[traj.group_id] += 1
+                    if self._group_done[traj.group_id] == self.cfg.scheduler.group_size:
+                        del self._group_done[traj.group_id]
+                        self.ctb.forget_group(traj.group_id)
                 self.buffer.add_trajectory(BufferTrajectory(
                     group_id=traj.group_id, index=traj.index, task_id=traj.task["task_id"],
                     policy_version=traj.policy_version, prompt_tokens=len(traj.token_ids) - traj.generated_tokens,
@@ -176,9 +203,13 @@ class RolloutFeed(threading.Thread):
                     finished_at=traj.finished_at, is_eval=traj.is_eval, payload=traj),
                     time.monotonic(), consumer_version=self.version)
                 self.evals.record(traj)
+            elif kind == "turn" and self.ctb is not None:
+                self.ctb.on_turn(msg)
             elif kind == "task_failed":
                 self._load[msg["src"]] -= 1
                 a = TaskAssignment(**msg["assignment"])
+                if self.ctb is not None:  # CTB's policy has no retry of a half-run task yet
+                    raise RunError(f"trajectory {a.trajectory_id} failed on rank {msg['src']}: {msg['error']}")
                 self._retries[a.trajectory_id] += 1
                 if self._retries[a.trajectory_id] > self.cfg.scheduler.max_task_retries:
                     raise RunError(f"trajectory {a.trajectory_id} failed on rank {msg['src']}: {msg['error']}")
@@ -196,6 +227,9 @@ class RolloutFeed(threading.Thread):
             group_id = f"v{self.version}g{self._groups_started}"
             self._groups_started += 1
             self.buffer.open_group(group_id, task["task_id"], time.monotonic())
+            if self.ctb is not None:
+                self.ctb.submit(TaskAssignment(task=task, group_id=group_id, index=i) for i in range(sched.group_size))
+                continue
             rank = min(self._load, key=lambda r: (self._load[r], r))
             if self._load[rank] + sched.group_size > sched.max_tasks_per_rank:
                 self._queue.extend(TaskAssignment(task=task, group_id=group_id, index=i)
@@ -203,6 +237,9 @@ class RolloutFeed(threading.Thread):
                 break
             for i in range(sched.group_size):
                 self._send(TaskAssignment(task=task, group_id=group_id, index=i), rank)
+        if self.ctb is not None:
+            self.ctb.schedule(time.monotonic(), self.buffer.unconsumed_trajectories())
+            return
         while self._queue:
             rank = min(self._load, key=lambda r: (self._load[r], r))
             if self._load[rank] >= sched.max_tasks_per_rank:
@@ -210,7 +247,13 @@ class RolloutFeed(threading.Thread):
             self._send(self._queue.popleft(), rank)
 
     def _in_flight(self) -> int:
+        if self.ctb is not None:
+            return len(self.ctb.assignments)
         return sum(self._load.values()) + len(self._queue)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.ctb.stats) if self.ctb is not None else {}
 
     def _send(self, assignment: TaskAssignment, rank: int) -> None:
         self.mailbox.post(rank, "task", assignment=assignment.__dict__)
@@ -311,8 +354,12 @@ class StreamingController:
     def _one_step(self) -> None:
         sched = self.cfg.scheduler
         t0 = time.perf_counter()
+        deadline = time.monotonic() + sched.stall_timeout_s
         while self.feed.ready_groups() == 0:  # the trainer waits for ready work (TWT)
             self._check_feed()
+            if time.monotonic() > deadline:
+                raise RunError(f"no GRPO group completed for {sched.stall_timeout_s:.0f} s "
+                               "(scheduler.stall_timeout_s): rollout is stuck")
             time.sleep(POLL_INTERVAL_S)
         twt = time.perf_counter() - t0
         ras, hol, ready = self.feed.open_step(sched.groups_per_step)
@@ -435,6 +482,7 @@ class StreamingController:
             "staleness/max": max(self.version - 1 - t.policy_version for t in trajs),
             "loss": result.loss, "pg_loss": result.pg_loss, "kl": result.kl, "grad_norm": result.grad_norm,
             **{f"ledger/{k}": v for k, v in dataclasses.asdict(ledger).items()},
+            **{f"ctb/{k}": v for k, v in self.feed.stats().items()},
         }
         if choice is not None:
             record.update({"ra2p/cost_decoupled": choice.cost_decoupled, "ra2p/cost_colocated": choice.cost_colocated,

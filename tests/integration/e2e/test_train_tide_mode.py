@@ -33,8 +33,11 @@ def rows(run_dir: Path, eval_rows: bool = False) -> list[dict]:
 
 @pytest.mark.parametrize("executor", ["auto", "decoupled"])
 def test_tide_mode_streams_and_logs_the_ra2p_choice(tmp_path, executor):
-    evals = ["scheduler.eval_every=1", "scheduler.eval_groups=1"] if executor == "auto" else []
-    proc = run_tide(tmp_path, f"ra2p.executor={executor}", *evals)
+    # auto: CTB on a KV pool small enough to pause tasks, with evaluation during training;
+    # decoupled: request-level scheduling (the vanilla baseline).
+    extra = (["scheduler.eval_every=1", "scheduler.eval_groups=1", "rollout.engine.max_total_tokens=2048"]
+             if executor == "auto" else ["ctb.enabled=false"])
+    proc = run_tide(tmp_path, f"ra2p.executor={executor}", *extra)
     assert proc.returncode == 0, proc.stderr[-8000:]
     steps = rows(tmp_path)
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -52,6 +55,7 @@ def test_tide_mode_streams_and_logs_the_ra2p_choice(tmp_path, executor):
         assert {r["ra2p/mode"] for r in steps} == {"decoupled"}
         # the reference rank streamed its log-probs: a KL term exists after the first update
         assert steps[-1]["kl"] > 0.0 and steps[-1]["ra2p/num_swaps"] == 0
+        assert "ctb/admits" not in steps[-1]  # request-level scheduling
     else:
         # The choice is the cost model's: both costs are logged and the cheaper mode ran.
         for r in steps:
@@ -64,3 +68,5 @@ def test_tide_mode_streams_and_logs_the_ra2p_choice(tmp_path, executor):
             assert r["eval/complete"] == 1.0 and r["eval/trajectories"] == 2.0
             assert 0.0 <= r["eval/mean_reward"] <= r["eval/best_of_n_reward"] <= 1.0
         assert steps[-1]["ledger/evaluated"] > 0
+        assert steps[-1]["ctb/admits"] >= 3 * 2  # every trajectory was admitted by CTB
+        assert steps[-1]["ctb/resumes"] <= steps[-1]["ctb/pauses"]
