@@ -91,6 +91,137 @@ def summarize(name: str, trajectories: list, wall_s: float, dispatcher) -> dict:
     }
 
 
+class Timeline:
+    """Where each task's lifetime goes, the live context over time and each engine's busy time.
+
+    Per task (monotonic clock), between its runner's start and its end:
+      admission_wait  from the rollout's start until the dispatcher first made it runnable;
+      env             waiting for the env (reset before turn 1, step after every turn);
+      paused_wait     ready for its next turn (env answered) but not runnable: paused by CTB,
+                      or placed but waiting for a request slot;
+      session_overhead  runnable, before/after the generate call (lock, session open/close);
+      generate        inside the engine's generate call: SGLang queueing + prefill + decode,
+                      batched with other requests.
+    Per engine: busy time (at least one generate call in flight), in-flight requests averaged
+    over busy time, and the uncached prompt tokens it had to prefill."""
+
+    def __init__(self, ranks):
+        self.t0 = time.monotonic()
+        self.tasks: dict = {}
+        self.live: dict = {}
+        self.live_rank: dict = {}
+        self.peak_live = 0
+        self.peak_live_rank = {r: 0 for r in ranks}
+        self.inflight = {r: 0 for r in ranks}
+        self.busy_s = {r: 0.0 for r in ranks}
+        self.inflight_s = {r: 0.0 for r in ranks}
+        self.last = {r: self.t0 for r in ranks}
+        self.uncached = {r: 0 for r in ranks}
+        self.requests = {r: 0 for r in ranks}
+
+    def rec(self, tid):
+        return self.tasks.setdefault(tid, {"admission_wait": 0.0, "env": 0.0, "paused_wait": 0.0,
+                                           "session_overhead": 0.0, "generate": 0.0, "mark": None})
+
+    def set_live(self, tid, tokens, rank):
+        self.live[tid] = tokens
+        if rank is not None:
+            self.live_rank[tid] = rank
+        self.peak_live = max(self.peak_live, sum(self.live.values()))
+        for r in self.peak_live_rank:
+            s = sum(v for t, v in self.live.items() if self.live_rank.get(t) == r)
+            self.peak_live_rank[r] = max(self.peak_live_rank[r], s)
+
+    def engine_edge(self, rank, delta):
+        now = time.monotonic()
+        n = self.inflight[rank]
+        if n > 0:
+            self.busy_s[rank] += now - self.last[rank]
+            self.inflight_s[rank] += n * (now - self.last[rank])
+        self.last[rank] = now
+        self.inflight[rank] = n + delta
+
+    def summary(self, wall_s: float, prefill_ms_per_token: float) -> dict:
+        keys = ("admission_wait", "env", "paused_wait", "session_overhead", "generate")
+        task_s = {k: sum(r[k] for r in self.tasks.values()) for k in keys}
+        total = sum(task_s.values())
+        engines = {}
+        for r in self.busy_s:
+            busy = self.busy_s[r]
+            pre = self.uncached[r] * prefill_ms_per_token / 1e3
+            engines[str(r)] = {
+                "busy_s": busy, "busy_fraction": busy / wall_s,
+                "mean_inflight_when_busy": self.inflight_s[r] / busy if busy else 0.0,
+                "requests": self.requests[r], "uncached_prompt_tokens": self.uncached[r],
+                "prefill_s_est": pre, "prefill_share_of_busy_est": pre / busy if busy else 0.0,
+                "decode_and_other_s_est": max(busy - pre, 0.0)}
+        return {
+            "task_seconds": task_s,
+            "task_share": {k: v / total for k, v in task_s.items()} if total else {},
+            "mean_tasks_in_state": {k: v / wall_s for k, v in task_s.items()},
+            "engines": engines,
+            "peak_live_context_tokens": self.peak_live,
+            "peak_live_context_tokens_per_rank": {str(r): v for r, v in self.peak_live_rank.items()},
+        }
+
+
+def timed_runner_class():
+    """CTBTaskRunner with a Timeline (benchmark instrumentation; the runner itself is untouched)."""
+    from tide_megatron.rollout import ctb_task_runner as mod
+
+    original_generate = mod.generate_tagged
+
+    class TimedRunner(mod.CTBTaskRunner):
+        timeline: Timeline
+
+        async def run(self, assignment, handle, listener):
+            tl = self.timeline
+            rec = tl.rec(handle.task_id)
+            await handle.runnable.wait()
+            rec["mark"] = time.monotonic()
+            rec["admission_wait"] += rec["mark"] - tl.t0  # queued since the rollout began
+            traj = await super().run(assignment, handle, listener)
+            end = time.monotonic()
+            rec["env"] += end - rec["mark"]  # the last env step (and the env session's close)
+            tl.live.pop(handle.task_id, None)
+            return traj
+
+        async def _generate_turn(self, ep, pending, previous_rid, remaining, handle, listener):
+            tl = self.timeline
+            rec = tl.rec(handle.task_id)
+            enter = time.monotonic()
+            rec["env"] += enter - rec["mark"]
+            tl.set_live(handle.task_id, len(ep.tokens), handle.rank if handle.rank is not None else handle.last_rank)
+            await handle.runnable.wait()
+            ready = time.monotonic()
+            rec["paused_wait"] += ready - enter
+            g0 = ep.generate_s
+            gen = await super()._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
+            rec["mark"] = time.monotonic()
+            rec["generate"] += ep.generate_s - g0
+            rec["session_overhead"] += (rec["mark"] - ready) - (ep.generate_s - g0)
+            tl.set_live(handle.task_id, len(ep.tokens) + len(gen.output_ids), handle.last_rank)
+            return gen
+
+    async def timed_generate(engine, input_ids, sampling_params, tag, session_params):
+        tl = TimedRunner.timeline
+        rank = next(r for r, e in tl_engines.items() if e is engine)
+        tl.engine_edge(rank, +1)
+        try:
+            gen, report = await original_generate(engine, input_ids, sampling_params, tag, session_params)
+        finally:
+            tl.engine_edge(rank, -1)
+        tl.requests[rank] += 1
+        tl.uncached[rank] += gen.prompt_tokens - gen.cached_tokens
+        return gen, report
+
+    mod.generate_tagged = timed_generate
+    return TimedRunner
+
+
+tl_engines: dict = {}
+
+
 SETUP_RATIONALE = (
     "CTB saves prefill recomputation; that is worth something only where recomputing a task's prefix costs "
     "more than the per-step scheduling overhead it competes with (true for the paper's 7B model on an H100). "
@@ -127,7 +258,14 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=128, help="trajectories (group size --group)")
     p.add_argument("--group", type=int, default=4, help="GRPO group size")
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--kv-tokens", type=int, default=2048, help="KV pool (max_total_tokens) per engine")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV pool (max_total_tokens) per engine; default: --pool-fraction of the peak live context "
+                        "per engine, measured in a vanilla run with an ample pool (--ample-kv-tokens)")
+    p.add_argument("--pool-fraction", type=float, default=0.3,
+                   help="pool / peak live context per engine (0.3: the reference measurement in "
+                        "shared/notes/cpu-stack.md, 'Plain SGLang and multi-turn tasks under KV pressure')")
+    p.add_argument("--ample-kv-tokens", type=int, default=None,
+                   help="pool of the sizing run; default tasks/engines x max_context_tokens (nothing is ever evicted)")
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--step-median-s", type=float, default=0.3, help="env step latency median")
@@ -135,6 +273,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6, help="decoder layers of the random Qwen2 model")
     p.add_argument("--hidden", type=int, default=384, help="hidden size (heads of 64, ffn 4x)")
     p.add_argument("--probe-only", action="store_true", help="only measure prefill vs decode cost")
+    p.add_argument("--sizing-out", default=None,
+                   help=argparse.SUPPRESS)  # internal: run only the ample-pool sizing run, write its JSON here
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default="/tmp/tide_ctb_kv")
     p.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/ctb_kv.json")
@@ -149,11 +289,12 @@ def main() -> None:
     from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
     from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig, CTBDispatcher
     from tide_megatron.rollout.ctb_rollout import LocalCTBRollout
-    from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner
     from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
     from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
     from tide_megatron.rollout.worker import build_chat
     from tide_megatron.tokenizer import write_tokenizer
+
+    TimedRunner = timed_runner_class()
 
     tok = write_tokenizer(os.path.join(args.work_dir, "tok"), kind="tiny_bpe")
     heads = max(1, args.hidden // 64)
@@ -169,16 +310,37 @@ def main() -> None:
                                   max_new_tokens=args.max_new_tokens, temperature=1.0)
     # Each open session holds a request slot, so slots exceed the resident-task bound.
     slots = max(64, args.resident * 2)
-    t_start = time.time()
+    ample = args.ample_kv_tokens or -(-args.tasks // args.engines) * runner_cfg.max_context_tokens
+    sizing = None
+    if args.kv_tokens is None and not args.probe_only and not args.sizing_out:
+        # The sizing run gets its own process: SGLang's Engine.shutdown kills every child process
+        # of its parent, the env server included.
+        import subprocess
+        import tempfile
+
+        out = os.path.join(tempfile.mkdtemp(), "sizing.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--sizing-out", out]
+        subprocess.run(cmd)
+        if not os.path.exists(out):
+            raise RuntimeError("the ample-pool sizing run failed (see its output above)")
+        with open(out) as f:
+            sizing = json.load(f)
+        args.kv_tokens = sizing["kv_tokens"]
+        print(f"sizing: peak live context per rank {sizing['peak_live_context_tokens_per_rank']} "
+              f"-> kv_tokens {args.kv_tokens}", flush=True)
     with EnvServerProcess(EnvServerConfig(envs=[env_cfg])) as server:
-        engines = {r: RolloutEngine(RolloutEngineConfig(max_total_tokens=args.kv_tokens, max_running_requests=slots,
-                                                        seed=args.seed), ckpt) for r in range(args.engines)}
-        startup_s = time.time() - t_start
-        loop = engines[0].loop
         chat = build_chat(ckpt, None)
         client = EnvClient(server.client_config())
 
-        async def one_run(enabled: bool):
+        def start_engines(kv_tokens: int):
+            t = time.time()
+            engines = {r: RolloutEngine(RolloutEngineConfig(max_total_tokens=kv_tokens, max_running_requests=slots,
+                                                            seed=args.seed), ckpt) for r in range(args.engines)}
+            tl_engines.clear()
+            tl_engines.update(engines)
+            return engines, time.time() - t
+
+        async def one_run(engines, enabled: bool, prefill_ms_per_token: float):
             await client.connect()
             specs = await client.list_tasks("door_game", "train", limit=args.tasks // args.group)
             assignments = [TaskAssignment(task=s.to_json(), group_id=f"g{i}", index=j)
@@ -192,19 +354,52 @@ def main() -> None:
                 policy=CTBConfig(probe_turn_reserve_tokens=args.max_new_tokens + 48, staleness_throttle=False,
                                  context_norm_tokens=runner_cfg.max_context_tokens))
             dispatcher = CTBDispatcher(cfg, dict(engines))
-            runner = CTBTaskRunner(runner_cfg, dict(engines), chat, client, use_sessions=enabled)
+            runner = TimedRunner(runner_cfg, dict(engines), chat, client, use_sessions=enabled)
+            TimedRunner.timeline = timeline = Timeline(sorted(engines))
             t0 = time.monotonic()
             trajectories = await LocalCTBRollout(dispatcher, runner).run(assignments, prompt_tokens=120)
             wall = time.monotonic() - t0
             await client.close()
-            return summarize("ctb" if enabled else "vanilla", trajectories, wall, dispatcher)
+            res = summarize("ctb" if enabled else "vanilla", trajectories, wall, dispatcher)
+            res["time_breakdown"] = timeline.summary(wall, prefill_ms_per_token)
+            return res
 
+        if args.sizing_out:
+            engines, _ = start_engines(ample)
+            cost = engines[0].loop.run_until_complete(measure_costs(engines[0]))
+            res = engines[0].loop.run_until_complete(one_run(engines, False, cost["prefill_ms_per_token"]))
+            peak = max(int(v) for v in res["time_breakdown"]["peak_live_context_tokens_per_rank"].values())
+            args.kv_tokens = int(round(args.pool_fraction * peak))
+            sizing = {
+                "principle": (f"KV pool per engine = {args.pool_fraction} x the peak live context per engine, as in the "
+                              "reference measurement (shared/notes/cpu-stack.md, 'Plain SGLang and multi-turn tasks "
+                              "under KV pressure': a pool holding about 30% of the peak live context). Live context "
+                              "= sum of the current context lengths of the tasks that have started and not finished, "
+                              "sampled at every turn start and end; measured in a vanilla run on the same tasks and "
+                              "seed with an ample pool (tasks per engine x max_context_tokens), where nothing is "
+                              "evicted."),
+                "ample_kv_tokens": ample,
+                "peak_live_context_tokens": res["time_breakdown"]["peak_live_context_tokens"],
+                "peak_live_context_tokens_per_rank": res["time_breakdown"]["peak_live_context_tokens_per_rank"],
+                "kv_tokens": args.kv_tokens,
+                "ample_vanilla_run": {k: res[k] for k in ("hit_rate", "ideal_hit_rate", "gen_tokens_per_s",
+                                                          "step_duration_s", "time_breakdown")},
+            }
+            with open(args.sizing_out, "w") as f:
+                json.dump(sizing, f)
+            for e in engines.values():
+                e.shutdown()
+            os._exit(0)  # the env server went down with the engines' children; nothing left to clean
+        engines, startup_s = start_engines(args.kv_tokens or ample)
+        loop = engines[0].loop
         cost = loop.run_until_complete(measure_costs(engines[0]))
         print(f"cost probe: {json.dumps(cost)}", flush=True)
         runs = {}
         for enabled in (() if args.probe_only else (False, True)):
-            runs["ctb" if enabled else "vanilla"] = res = loop.run_until_complete(one_run(enabled))
-            print(f"{res['mode']}: {res['step_duration_s']:.1f}s, hit {res['hit_rate']:.3f}", flush=True)
+            runs["ctb" if enabled else "vanilla"] = res = loop.run_until_complete(
+                one_run(engines, enabled, cost["prefill_ms_per_token"]))
+            print(f"{res['mode']}: {res['step_duration_s']:.1f}s, hit {res['hit_rate']:.3f}, "
+                  f"breakdown {json.dumps(res['time_breakdown'])}", flush=True)
         for e in engines.values():
             e.shutdown()
     if args.probe_only:
@@ -233,6 +428,7 @@ def main() -> None:
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads, "ffn": 4 * args.hidden,
                   "vocab": 3072},
         "cost_probe": cost,
+        "pool_sizing": sizing,
         "setup_rationale": SETUP_RATIONALE,
         "vanilla": v, "ctb": c, "ratios": ratios,
     }
