@@ -12,7 +12,12 @@ Hit rate = sum(cached_tokens) / sum(prompt_tokens) over all turns; the ideal re-
 token of a task's earlier turns (all but each turn's new observation) and, for every member of
 a GRPO group after the first, the group's shared prompt.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py            # ~5 min on 2 cores
+Each run records where time goes (`Timeline`: per task admission wait / env / paused / in-engine
+generate; per engine busy time, requests in flight, estimated prefill share). The KV pool is
+--pool-fraction (0.3) of the peak live context per engine, measured first in a vanilla run with an
+ample pool (own process); the modes then run in --pairs pairs of alternating order.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py            # ~8 min on 2 cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py --tasks 32 --no-write   # quick
 """
 
@@ -273,6 +278,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6, help="decoder layers of the random Qwen2 model")
     p.add_argument("--hidden", type=int, default=384, help="hidden size (heads of 64, ffn 4x)")
     p.add_argument("--probe-only", action="store_true", help="only measure prefill vs decode cost")
+    p.add_argument("--kv-budget-fraction", type=float, default=None,
+                   help="CTB rank budget / KV pool; default 1 - resident x max_new_tokens / kv_tokens: the headroom "
+                        "holds the tokens every resident task may generate before its footprint is reported")
+    p.add_argument("--reuse-sizing", default=None,
+                   help="take pool_sizing (and kv_tokens) from an earlier ctb_kv.json instead of re-measuring; "
+                        "its CTB run is kept in the new JSON as previous_ctb")
+    p.add_argument("--pairs", type=int, default=2,
+                   help="vanilla/CTB pairs, alternating order (V C, C V, ...), so that load from other processes on "
+                        "a shared machine and run order hit both modes alike")
     p.add_argument("--sizing-out", default=None,
                    help=argparse.SUPPRESS)  # internal: run only the ample-pool sizing run, write its JSON here
     p.add_argument("--seed", type=int, default=0)
@@ -312,6 +326,12 @@ def main() -> None:
     slots = max(64, args.resident * 2)
     ample = args.ample_kv_tokens or -(-args.tasks // args.engines) * runner_cfg.max_context_tokens
     sizing = None
+    previous = None
+    if args.reuse_sizing:
+        with open(args.reuse_sizing) as f:
+            previous = json.load(f)
+        sizing = dict(previous["pool_sizing"], reused_from=previous.get("date"))
+        args.kv_tokens = sizing["kv_tokens"]
     if args.kv_tokens is None and not args.probe_only and not args.sizing_out:
         # The sizing run gets its own process: SGLang's Engine.shutdown kills every child process
         # of its parent, the env server included.
@@ -348,7 +368,7 @@ def main() -> None:
             for e in engines.values():
                 await e.flush_cache()
             cfg = CTBDispatchConfig(
-                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=0.8,
+                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=budget_fraction,
                 task_max_turns=args.max_turns,
                 turn_reserve_tokens=args.max_new_tokens + 48,
                 policy=CTBConfig(probe_turn_reserve_tokens=args.max_new_tokens + 48, staleness_throttle=False,
@@ -390,16 +410,27 @@ def main() -> None:
             for e in engines.values():
                 e.shutdown()
             os._exit(0)  # the env server went down with the engines' children; nothing left to clean
-        engines, startup_s = start_engines(args.kv_tokens or ample)
+        kv = args.kv_tokens or ample
+        # Headroom for tokens generated before a footprint is reported: at most every resident task
+        # generating max_new_tokens at once (an observation is reported when its turn starts).
+        budget_fraction = (args.kv_budget_fraction if args.kv_budget_fraction is not None
+                           else 1.0 - args.resident * args.max_new_tokens / kv)
+        engines, startup_s = start_engines(kv)
         loop = engines[0].loop
         cost = loop.run_until_complete(measure_costs(engines[0]))
         print(f"cost probe: {json.dumps(cost)}", flush=True)
         runs = {}
-        for enabled in (() if args.probe_only else (False, True)):
-            runs["ctb" if enabled else "vanilla"] = res = loop.run_until_complete(
-                one_run(engines, enabled, cost["prefill_ms_per_token"]))
-            print(f"{res['mode']}: {res['step_duration_s']:.1f}s, hit {res['hit_rate']:.3f}, "
-                  f"breakdown {json.dumps(res['time_breakdown'])}", flush=True)
+        pairs = []
+        for i in range(0 if args.probe_only else args.pairs):
+            pair = {}
+            for enabled in ((False, True) if i % 2 == 0 else (True, False)):
+                pair["ctb" if enabled else "vanilla"] = res = loop.run_until_complete(
+                    one_run(engines, enabled, cost["prefill_ms_per_token"]))
+                print(f"pair {i} {res['mode']}: {res['step_duration_s']:.1f}s, hit {res['hit_rate']:.3f}, "
+                      f"breakdown {json.dumps(res['time_breakdown'])}", flush=True)
+            pairs.append(pair)
+        if pairs:
+            runs = pairs[0]
         for e in engines.values():
             e.shutdown()
     if args.probe_only:
@@ -412,6 +443,16 @@ def main() -> None:
         "step_duration_x": c["step_duration_s"] / v["step_duration_s"],
         "ctb_hit_vs_ideal": c["hit_rate"] / c["ideal_hit_rate"] if c["ideal_hit_rate"] else 0.0,
     }
+    keys = ("hit_rate", "ideal_hit_rate", "gen_tokens_per_s", "step_duration_s", "pauses")
+    per_pair = [{"order": "vanilla,ctb" if i % 2 == 0 else "ctb,vanilla",
+                 **{m: {k: pr[m][k] for k in keys} for m in ("vanilla", "ctb")},
+                 "throughput_x": pr["ctb"]["gen_tokens_per_s"] / pr["vanilla"]["gen_tokens_per_s"],
+                 "step_duration_x": pr["ctb"]["step_duration_s"] / pr["vanilla"]["step_duration_s"],
+                 "hit_rate_x": pr["ctb"]["hit_rate"] / pr["vanilla"]["hit_rate"]}
+                for i, pr in enumerate(pairs)]
+    for k in ("throughput_x", "step_duration_x", "hit_rate_x"):
+        vals = [pp[k] for pp in per_pair]
+        ratios[f"{k}_geomean_over_pairs"] = float(__import__("math").prod(vals) ** (1 / len(vals)))
     print(f"\n{'':24}{'vanilla':>12}{'ctb':>12}{'ctb/vanilla':>14}")
     for key, label in (("hit_rate", "prefix hit rate"), ("ideal_hit_rate", "ideal hit rate"),
                        ("gen_tokens_per_s", "gen tokens/s"), ("step_duration_s", "step duration (s)"),
@@ -429,8 +470,18 @@ def main() -> None:
                   "vocab": 3072},
         "cost_probe": cost,
         "pool_sizing": sizing,
+        "ctb_budget": {"kv_budget_fraction": budget_fraction,
+                       "rank_budget_tokens": int(args.kv_tokens * budget_fraction),
+                       "principle": "headroom = resident x max_new_tokens: the most tokens the resident tasks can "
+                                    "generate before their footprints are reported (each turn's observation is "
+                                    "reported when the turn starts); low_water 0.85 (hysteresis) unchanged"},
+        "previous_ctb": previous and {"kv_budget_fraction": 0.8, **{k: previous["ctb"][k] for k in (
+            "hit_rate", "ideal_hit_rate", "gen_tokens_per_s", "step_duration_s", "pauses", "time_breakdown")},
+            "vanilla_same_run": {k: previous["vanilla"][k] for k in (
+                "hit_rate", "gen_tokens_per_s", "step_duration_s")}},
         "setup_rationale": SETUP_RATIONALE,
-        "vanilla": v, "ctb": c, "ratios": ratios,
+        "vanilla": v, "ctb": c, "ratios": ratios, "pairs": per_pair,
+        "vanilla_ctb_of_first_pair": "the vanilla and ctb records (with time_breakdown) are the first pair's",
     }
     if not args.no_write:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
