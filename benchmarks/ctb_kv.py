@@ -24,7 +24,6 @@ ample pool (own process); the modes then run in --pairs pairs of alternating ord
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os

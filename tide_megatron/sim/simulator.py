@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 from typing import Dict, List, Optional
 
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer

@@ -60,7 +60,6 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def actor_scenario(rank: int, hf_dir: str, stream) -> dict:
-    import dataclasses
 
     from tide_megatron.core.ra2p import RA2PConfig
     from tide_megatron.core.roles import RA2PMode

@@ -20,7 +20,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    import torch
 
     from tide_megatron.envs.client import EnvClient
     from tide_megatron.envs.config import EnvConfig, EnvServerConfig

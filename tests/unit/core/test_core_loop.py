@@ -10,7 +10,6 @@ from tide_megatron.core import (
     GlobalBuffer,
     MicroBatchTimes,
     RA2PConfig,
-    Resume,
     RolloutTask,
     SignalsConfig,
     TaskState,

@@ -38,7 +38,6 @@ import collections
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-import torch
 
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult, _device
 from tide_megatron.trainer.batch import MicroBatch
