@@ -16,9 +16,19 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 PINNED_VERSIONS = {"sglang": "0.5.23", "megatron-core": "0.16.1", "torch": "2.13.0"}
 DISABLE_ENV = "TIDE_DISABLE_CPU_COMPAT"
+
+# Import-time notices that are expected, and say nothing, on a machine without a GPU: every
+# rank and every SGLang subprocess would print each of them.
+EXPECTED_CPU_WARNINGS = (
+    r"Only CUDA, .* support .* currently",  # SGLang's quantization modules
+    r"Triton is not supported on current platform",  # SGLang's FLA kernels fall back to torch
+    r"Transformer Engine and Apex are not installed",  # Megatron-core falls back to torch
+    r"Apex is not installed",
+)
 
 
 def cuda_present() -> bool:
@@ -32,6 +42,8 @@ def activate_standins() -> tuple[str, ...]:
 
     if os.environ.get(DISABLE_ENV) == "1" or cuda_present():
         return ()
+    for message in EXPECTED_CPU_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     served = StandinFinder.for_missing()
     if served and StandinFinder not in sys.meta_path:
         sys.meta_path.insert(0, StandinFinder)

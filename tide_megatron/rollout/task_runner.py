@@ -1,15 +1,14 @@
-"""The multi-turn loop of one rollout task: generate, act, observe, generate again.
+"""One rollout task's types: its assignment, its finished trajectory, and the runner.
 
-A task is one trajectory of a GRPO group. The runner keeps the whole trajectory in
-tokens: the prompt, each generated action (loss mask 1, with the engine's log-probs),
-and each observation (loss mask 0). With sessions enabled, only each turn's new tokens
-are sent to the engine, and the session keeps the task's prefix resident while it
-waits for its environment.
+A task is one trajectory of a GRPO group. The trajectory is kept in tokens: the prompt,
+each generated action (loss mask 1, with the engine's log-probs), and each observation
+(loss mask 0). With sessions enabled, only each turn's new tokens are sent to the
+engine, and the session keeps the task's prefix resident while it waits for its
+environment. The multi-turn loop itself lives in `ctb_task_runner.py`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -93,91 +92,38 @@ class Trajectory:
 
 
 class TaskRunner:
-    """Runs trajectories on one engine against one env client."""
+    """Runs trajectories on one engine against one env client.
+
+    It is the pausable runner (`ctb_task_runner.CTBTaskRunner`) with a task that is placed once
+    and never paused, and untagged requests: one multi-turn loop serves both request-level and
+    task-level scheduling.
+    """
 
     def __init__(self, cfg: TaskRunnerConfig, engine: RolloutEngine, chat: ChatFormat, env: EnvClient):
+        from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner  # it builds on this module's types
+
         self.cfg = cfg
         self.engine = engine
         self.chat = chat
         self.env = env
-
-    def _sampling(self, remaining: int) -> dict[str, Any]:
-        return {
-            "max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
-            "temperature": self.cfg.temperature,
-            "top_p": self.cfg.top_p,
-        }
+        self._runner = CTBTaskRunner(cfg, {0: engine}, chat, env, use_sessions=engine.cfg.use_sessions)
 
     async def run(self, assignment: TaskAssignment) -> Trajectory:
-        started = time.time()
-        t0 = time.monotonic()
-        async with self.env.session(assignment.task["env"], assignment.task["task_id"],
-                                    assignment.trajectory_id) as first:
-            ep = _Episode(tokens=self.chat.prompt_ids(first.observation), env_wait_s=time.monotonic() - t0,
-                          version=self.engine.weight_version)
-            ep.loss_mask = [0] * len(ep.tokens)
-            ep.logprobs = [0.0] * len(ep.tokens)
-            session = await self.engine.open_session(self.cfg.max_context_tokens * 8)
-            try:
-                await self._turns(first.session_id, session, ep)
-            finally:
-                await self.engine.close_session(session)
-        # An observation can push the context past the limit; cut it so the trainer never
-        # sees more than max_context_tokens (the cut tokens are env tokens, masked anyway).
-        cut = self.cfg.max_context_tokens
-        return Trajectory(
-            group_id=assignment.group_id,
-            index=assignment.index,
-            task=assignment.task,
-            is_eval=assignment.is_eval,
-            token_ids=ep.tokens[:cut],
-            loss_mask=ep.loss_mask[:cut],
-            logprobs=ep.logprobs[:cut],
-            reward=float(ep.info.get("episode_return", ep.reward)),
-            turns=ep.turns,
-            policy_version=ep.version,
-            truncated=ep.truncated or bool(ep.info.get("truncated", False)),
-            generated_tokens=ep.generated,
-            prompt_tokens=ep.prompt_tokens,
-            cached_tokens=ep.cached_tokens,
-            env_wait_s=ep.env_wait_s,
-            generate_s=ep.generate_s,
-            started_at=started,
-            finished_at=time.time(),
-            info={k: v for k, v in ep.info.items() if isinstance(v, (int, float, str, bool))},
-        )
+        from tide_megatron.rollout.ctb_task_runner import TaskHandle
 
-    async def _turns(self, env_session: str, engine_session: str | None, ep: _Episode) -> None:
-        pending = list(ep.tokens)  # tokens the engine has not seen yet
-        previous_rid: str | None = None
-        done = False
-        while not done:
-            remaining = self.cfg.max_context_tokens - len(ep.tokens)
-            if ep.turns >= self.cfg.max_turns or remaining <= 0:
-                ep.truncated = True
-                return
-            ep.version = min(ep.version, self.engine.weight_version)
-            # Without a session the engine needs the whole context every turn.
-            send = pending if engine_session is not None else ep.tokens
-            t0 = time.monotonic()
-            gen = await self.engine.generate(send, self._sampling(remaining), engine_session, previous_rid)
-            ep.generate_s += time.monotonic() - t0
-            previous_rid = gen.rid
-            ep.turns += 1
-            ep.prompt_tokens += gen.prompt_tokens
-            ep.cached_tokens += gen.cached_tokens
-            ep.generated += len(gen.output_ids)
-            ep.append(gen.output_ids, 1, gen.logprobs)
-            action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-            t0 = time.monotonic()
-            result = await self.env.step(env_session, action)
-            ep.env_wait_s += time.monotonic() - t0
-            ep.reward += result.reward
-            ep.info = result.info
-            done = result.done
-            if not done:
-                pending = self.chat.user_turn_ids(result.observation, gen.output_ids)
-                ep.append(pending, 0)
+        handle = TaskHandle(assignment.trajectory_id)
+        handle.place(0)
+        return await self._runner.run(assignment, handle, _Untagged())
+
+
+class _Untagged:
+    """Turn events of a task nobody schedules: nothing to report, no CTB tag on its requests."""
+
+    def turn_started(self, task_id: str, context_tokens: int, kind: str) -> None:
+        return None
+
+    def turn_finished(self, task_id: str, context_tokens: int, report: dict[str, Any] | None) -> None:
+        pass
 
 
 @dataclass
