@@ -301,7 +301,7 @@ class StreamingController:
             self.decoupled = DecoupledActorExecutor(
                 trainer.actor, LogprobStream(topo.job_group),
                 DecoupledConfig(ref_rank=self.ref_rank, actor_ranks=(topo.rank,)), self.meter)
-        self._busy: dict[int, float] = {}
+        self._idle_s: dict[int, float] = {}  # per rollout rank, cumulative, as last reported
 
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -459,8 +459,13 @@ class StreamingController:
         generated = sum(t.generated_tokens for t in trajs)
         prompt = sum(p.prompt_tokens for p in payloads)
         cached = sum(p.cached_tokens for p in payloads)
+        # A rollout rank waits whenever it runs no task; ranks report their idle time at each
+        # weight load, so this is the idle time since their previous report.
+        idle: dict[int, float] = {}
         for msg in self.feed.take("weights_loaded"):
-            self._busy[msg["src"]] = msg["busy_s"]
+            rank = msg["src"]
+            idle[rank] = idle.get(rank, 0.0) + msg["idle_s"] - self._idle_s.get(rank, 0.0)
+            self._idle_s[rank] = msg["idle_s"]
         ledger = self.buffer.ledger
         record = {
             "version": self.version,
@@ -474,6 +479,7 @@ class StreamingController:
             "time/train_s": train_s,
             "time/sync_s": sync_s,
             "twt_s": twt + report.ref_wait_s,
+            "rwt_s": sum(idle.values()) / len(idle) if idle else 0.0,
             "micro_batches": report.num_micro_batches,
             **{f"ra2p/{k}": v for k, v in report.as_dict().items() if isinstance(v, (int, float))},
             "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,

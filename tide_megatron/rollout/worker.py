@@ -51,6 +51,7 @@ class RolloutWorker:
         self.engine.loop.run_until_complete(self._main())
 
     async def _main(self) -> None:
+        self._started = time.monotonic()
         self.mailbox.post(CONTROLLER, "ready")
         while not self._stopping:
             for msg in self.mailbox.poll():
@@ -121,10 +122,11 @@ class RolloutWorker:
         flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
         t0 = time.perf_counter()
         await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
-        busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
+        now = time.monotonic()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since else 0.0)
         self.mailbox.post(
             CONTROLLER, "weights_loaded", version=manifest.version, broadcast_s=comm_s,
-            load_s=time.perf_counter() - t0, busy_s=busy,
+            load_s=time.perf_counter() - t0, busy_s=busy, idle_s=now - self._started - busy,
         )
 
 

@@ -47,6 +47,7 @@ def test_tide_mode_streams_and_logs_the_ra2p_choice(tmp_path, executor):
         assert mode in ("colocated", "decoupled")
         assert f"step {r['step']}: RA2P mode {mode} (RAS {r['ras']:.2f} micro-batches, TPRM {r['tprm_s']:.2f} s" in out
         assert r["micro_batches"] >= 1 and r["consumed_tokens"] > 0
+        assert r["rwt_s"] >= 0.0 and r["twt_s"] >= 0.0
         assert r["staleness/max"] <= 1  # scheduler.max_staleness
         assert r["kl"] >= 0.0
         assert r["ledger/generated"] == sum(r[f"ledger/{k}"] for k in
