@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import warnings
 from datetime import timedelta
 
 import torch
+
+from tide_megatron.utils.net import free_port
 
 MODEL_SIZES = {
     # ~29M params: big enough that a swap (params + grad buffer, ~340 MB moved) is visible on CPU.
@@ -171,11 +172,6 @@ def _worker(rank: int, args, hf_dir: str, method: str, ports: tuple[int, int]) -
         destroy_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -206,7 +202,7 @@ def main() -> None:
         results = {}
         for method in args.methods.split(","):
             nprocs = 2 if method == "DM" else 1
-            torch.multiprocessing.spawn(_worker, args=(args, hf_dir, method, (_free_port(), _free_port())),
+            torch.multiprocessing.spawn(_worker, args=(args, hf_dir, method, (free_port(), free_port())),
                                         nprocs=nprocs, join=True)
             results[method] = torch.load(os.path.join(tmp, f"{method}.pt"), weights_only=False)
             print(f"{method}: step {results[method]['wall_s']:.3f} s", flush=True)

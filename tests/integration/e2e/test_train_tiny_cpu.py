@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tide_megatron.utils.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +25,6 @@ def torchrun(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess
            str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", "metrics.progress=false", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -1,7 +1,6 @@
 """Client failure modes: server down, slow past the timeout, garbage from a fake server."""
 
 import asyncio
-import socket
 
 import pytest
 
@@ -9,14 +8,9 @@ from tide_megatron.envs import (
     EnvClient, EnvClientConfig, EnvConfig, EnvProtocolError, EnvRemoteError, EnvServer, EnvServerConfig,
     EnvServerDown, EnvTimeout, LatencyConfig,
 )
+from tide_megatron.utils.net import free_port
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_server_down_names_address_and_call():

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import traceback
 import warnings
 from datetime import timedelta
 
 import torch
+
+from tide_megatron.utils.net import free_port
 
 MODEL_KWARGS = dict(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, ffn_hidden_size=128)
@@ -215,11 +216,6 @@ def _worker(rank: int, ports: tuple[int, int], hf_dir: str, out_dir: str) -> Non
         destroy_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -227,7 +223,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    torch.multiprocessing.spawn(_worker, args=((_free_port(), _free_port()), args.hf, args.out),
+    torch.multiprocessing.spawn(_worker, args=((free_port(), free_port()), args.hf, args.out),
                                 nprocs=NUM_ACTORS + 1, join=True)
 
 

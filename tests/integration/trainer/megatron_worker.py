@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import threading
 import traceback
 import warnings
 
 import torch
+
+from tide_megatron.utils.net import free_port
 
 MODEL_KWARGS = dict(vocab_size=2048, hidden_size=64, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, ffn_hidden_size=128)
@@ -169,11 +170,6 @@ def _worker(rank: int, world: int, tp: int, port: int, hf_dir: str, out_dir: str
         destroy_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -183,7 +179,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    torch.multiprocessing.spawn(_worker, args=(args.world, args.tp, _free_port(), args.hf, args.out),
+    torch.multiprocessing.spawn(_worker, args=(args.world, args.tp, free_port(), args.hf, args.out),
                                 nprocs=args.world, join=True)
 
 
