@@ -16,8 +16,8 @@ import os
 from typing import Any
 
 from tide_megatron.config import JobConfig, check_runnable, validate
-from tide_megatron.controller.mailbox import Mailbox
-from tide_megatron.controller.topology import Topology, close_topology, init_topology
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.topology import Topology, close_topology, init_topology
 
 logger = logging.getLogger(__name__)
 

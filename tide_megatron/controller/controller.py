@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide_megatron.config import JobConfig
-from tide_megatron.controller.mailbox import Mailbox
-from tide_megatron.controller.topology import Topology
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.topology import Topology
 from tide_megatron.controller.trainer_rank import TrainerRank
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
 from tide_megatron.core.buffer import Trajectory as BufferTrajectory

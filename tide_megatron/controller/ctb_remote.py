@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from tide_megatron.controller.mailbox import Mailbox
+from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.core.ctb import Admit, Pause, Resume, RolloutTask, TaskState
 from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig, HysteresisCTBScheduler
 from tide_megatron.rollout.task_runner import TaskAssignment

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from tide_megatron.controller import weight_sync
-from tide_megatron.controller.mailbox import CONTROLLER, Mailbox
+from tide_megatron.comm import weight_sync
+from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.controller.trainer_rank import micro_batch_of
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.trainer.actor import ReferenceModel

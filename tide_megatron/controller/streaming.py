@@ -38,8 +38,8 @@ from typing import Any
 from tide_megatron.config import JobConfig
 from tide_megatron.controller.controller import RunError
 from tide_megatron.controller.ctb_remote import RemoteCTB
-from tide_megatron.controller.mailbox import Mailbox
-from tide_megatron.controller.topology import Topology
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.topology import Topology
 from tide_megatron.controller.trainer_rank import TrainerRank, micro_batch_of, to_train_trajectory
 from tide_megatron.core.buffer import BufferConfig, CompletedGroup, GlobalBuffer
 from tide_megatron.core.buffer import Trajectory as BufferTrajectory

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from tide_megatron.controller import weight_sync
-from tide_megatron.controller.mailbox import CONTROLLER, Mailbox
+from tide_megatron.comm import weight_sync
+from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.trainer import checkpoint as ckpt
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult

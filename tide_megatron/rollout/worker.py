@@ -18,8 +18,8 @@ import time
 import traceback
 from typing import Any
 
-from tide_megatron.controller import weight_sync
-from tide_megatron.controller.mailbox import CONTROLLER, Mailbox
+from tide_megatron.comm import weight_sync
+from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from sglang_patches.task_tag import TaskTag
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle

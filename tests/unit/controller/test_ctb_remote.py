@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from tide_megatron.controller.ctb_remote import RemoteCTB
-from tide_megatron.controller.mailbox import Mailbox
+from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.core.ctb import CTBConfig
 from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig
 from tide_megatron.rollout.task_runner import TaskAssignment

@@ -7,8 +7,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from tide_megatron.controller.mailbox import Mailbox
-from tide_megatron.controller.weight_sync import WeightManifest, pack, unpack
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.weight_sync import WeightManifest, pack, unpack
 
 
 def test_messages_arrive_in_order_once():
