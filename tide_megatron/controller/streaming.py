@@ -38,6 +38,7 @@ from typing import Any
 from tide_megatron.config import JobConfig
 from tide_megatron.controller.controller import RunError
 from tide_megatron.controller.ctb_remote import RemoteCTB
+from tide_megatron.rollout.ctb_dispatcher import RankResources
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology
 from tide_megatron.controller.trainer_rank import TrainerRank, micro_batch_of, to_train_trajectory
@@ -92,15 +93,13 @@ class RolloutFeed(threading.Thread):
         self.ctb: RemoteCTB | None = None
         self._group_done: dict[str, int] = defaultdict(int)
         if cfg.ctb.enabled:
-            sched = cfg.scheduler
-            pool = cfg.rollout.engine.max_total_tokens
-            budget = int(pool * cfg.ctb.kv_budget_fraction) if pool else cfg.ctb.policy.rank_token_budget
+            sched, engine = cfg.scheduler, cfg.rollout.engine
             # The policy's staleness throttle and turn limit are the job's, not defaults.
-            ctb_cfg = dataclasses.replace(
-                cfg.ctb, task_max_turns=cfg.rollout.runner.max_turns,
-                policy=dataclasses.replace(cfg.ctb.policy, max_staleness=sched.max_staleness,
-                                           trainer_batch_trajectories=sched.groups_per_step * sched.group_size))
-            self.ctb = RemoteCTB(ctb_cfg, mailbox, {r: budget for r in topo.rollout_ranks})
+            ctb_cfg = dataclasses.replace(cfg.ctb, policy=dataclasses.replace(
+                cfg.ctb.policy, task_max_turns=cfg.rollout.runner.max_turns, max_staleness=sched.max_staleness,
+                trainer_batch_trajectories=sched.groups_per_step * sched.group_size))
+            resources = RankResources(engine.max_total_tokens, engine.max_running_requests)
+            self.ctb = RemoteCTB(ctb_cfg, mailbox, {r: resources for r in topo.rollout_ranks})
         # The open step: where arrivals go and how many groups it still takes.
         self._sink: ArrivingSource | None = None
         self._sink_groups_left = 0

@@ -1,5 +1,8 @@
 """Continuous Task Batching (CTB): task-level admission, pausing and resumption on rollout ranks.
 
+ONE policy: the simulator, the benchmarks and the real system all build this `CTBScheduler`;
+the paper's rules are its core, and the refinements real runs need are `CTBConfig` options.
+
 Paper rules ("Continuous Task Batching") and how they map to this file:
 
 - Token-aware admission. Every rollout DP rank is a KV token budget pool. A task is admitted
@@ -28,9 +31,39 @@ Paper rules ("Continuous Task Batching") and how they map to this file:
   when it has room. Weight syncs flush every cache, so affinity is reset to current residency.
 - Role changes. A rank leaving rollout hands its resident tasks back (`Requeue`); they become
   paused (rank-less) and are resumed elsewhere with a fresh prefill under the new weights.
-  At every moment each submitted task is QUEUED, RUNNING, PAUSED or FINISHED: none is lost.
 
-The policy is event-driven and clock-free: callers report usage and finishes, then call
+Options real runs need (`CTBConfig`; `PAPER_RULES` turns them all off):
+
+- Hysteresis: pausing starts above the budget (the high-water mark) and stops at it, but a rank
+  admits or resumes only while it stays at or below `low_water` x budget, so a pause is not
+  undone a moment later by a resume.
+- Pause bounds: a task paused `max_pauses_per_task` times, or on its last `protect_final_turns`
+  turns, is not paused again unless the rank is above `hard_water` x budget.
+- Own-rank resumption: a paused task resumes first on the rank it ran on (its own context may
+  still be cached there, not only its group's prompt); for `move_after_s` it waits for that
+  rank, which meanwhile admits nothing new (resume-before-admit per rank); other ranks keep
+  admitting. A task that may resume anywhere blocks admission on every rank.
+- Resources beyond tokens: a rank holds at most `max_resident` tasks (resident + releasing);
+  the real system derives it from the engine's request rows so that a free row always remains
+  for a resident task's next turn (see `tide_megatron/rollout/ctb_config.py`).
+- Confirmed release (`CTBScheduler(confirm_release=True)`, the real system): a paused task's
+  tokens and row stay booked on its rank until the carrier reports `on_released`, because its
+  session closes only after an in-flight turn ends; admitting into them earlier could take the
+  last free row while that turn still waits for one (a deadlock). The simulator frees at once.
+
+Why no configuration can make resident tasks wait on each other forever: a resident task's next
+turn needs (a) a free request row, which the `max_resident` cap keeps (every booked task counts
+until its release is confirmed), and (b) KV for its context, which pausing keeps below
+`hard_water` x budget (below the engine's pool, checked at start) while more than one task is
+resident; a task too large for every rank runs alone on an idle rank. Paused tasks resume
+before new work is admitted, started groups are never throttled, and every wait ends when a
+resident task finishes or is paused.
+
+Failures and cancellation: a task whose runner failed is FAILED until the caller re-queues it
+(`requeue`: it starts from scratch) or cancels its group (`cancel_group`: every unfinished
+task is CANCELLED, running ones with a `Cancel` decision). At every moment each submitted task
+is QUEUED, RUNNING, PAUSED, FAILED, FINISHED or CANCELLED: none is lost.
+The policy is event-driven and clock-passing: callers report usage and finishes, then call
 `schedule(now, ...)`, which returns plain decision objects for the runner (or simulator) to
 carry out.
 """
@@ -45,11 +78,15 @@ from typing import Hashable, Iterable, Optional, Union
 
 @dataclass
 class CTBConfig:
-    """Continuous Task Batching policy configuration."""
+    """Continuous Task Batching policy configuration. Defaults are the real system's."""
 
     rank_token_budget: int = 262_144
     """Default KV token budget of one rollout rank (below the engine's physical KV capacity,
     so CTB pauses before the engine starts evicting on its own)."""
+    max_resident_per_rank: Optional[int] = None
+    """Default cap on tasks one rank holds (resident + releasing) for ranks added without one.
+    None: no count cap (tokens only; the simulator). The real dispatcher sets every rank's cap
+    from its engine's request rows."""
     env_concurrency: int = 512
     """Most tasks that may hold an environment at once (running + paused)."""
     max_staleness: int = 1
@@ -72,22 +109,58 @@ class CTBConfig:
     """w4: weight of L_context (normalised current context length)."""
     diversity_penalty: float = 0.05
     """Rank score penalty (in budget fractions) per resident same-type task from another group."""
+    low_water: float = 0.85
+    """Hysteresis: a rank admits or resumes a task only while its booked tokens stay at or below
+    this fraction of its budget (pausing starts above the budget). 1.0: no hysteresis."""
+    hard_water: float = 1.15
+    """Above this fraction of its budget a rank pauses even protected tasks (out of pauses, or
+    on their final turns), lowest P(t) first. Keep budget x hard_water within the engine's KV pool."""
+    max_pauses_per_task: Optional[int] = 2
+    """A task paused this often is protected from further pauses (below `hard_water`). None: no limit."""
+    task_max_turns: Optional[int] = None
+    """The runner's turn limit, for `protect_final_turns`. None: no task counts as near its end."""
+    protect_final_turns: int = 1
+    """A task on its last this-many turns (of `task_max_turns`) is protected from pauses."""
+    move_after_s: float = 2.0
+    """A paused task waits this long for room on the rank it ran on before it may resume on
+    another rank; meanwhile that rank admits nothing new. 0: move at once; inf: never move (a
+    carrier that cannot move tasks between ranks)."""
 
     def __post_init__(self) -> None:
         if self.rank_token_budget <= 0 or self.env_concurrency <= 0:
             raise ValueError("rank_token_budget and env_concurrency must be positive")
         if self.trainer_batch_trajectories <= 0 or self.context_norm_tokens <= 0:
             raise ValueError("trainer_batch_trajectories and context_norm_tokens must be positive")
+        if self.max_resident_per_rank is not None and self.max_resident_per_rank < 1:
+            raise ValueError("max_resident_per_rank must be >= 1 (or None)")
+        if not 0.0 < self.low_water <= 1.0 <= self.hard_water:
+            raise ValueError(f"need 0 < low_water <= 1 <= hard_water, got {self.low_water}, {self.hard_water}")
+        if (self.max_pauses_per_task is not None and self.max_pauses_per_task < 0) or self.protect_final_turns < 0:
+            raise ValueError("max_pauses_per_task and protect_final_turns must be >= 0")
+        if self.move_after_s < 0:
+            raise ValueError("move_after_s must be >= 0")
+
+
+PAPER_RULES = {"low_water": 1.0, "max_pauses_per_task": None, "task_max_turns": None, "move_after_s": 0.0}
+"""`CTBConfig` options that reduce the policy to the paper's rules alone: no hysteresis, no
+pause bounds, paused tasks free to move at once (resume-before-admit on every rank)."""
 
 
 class TaskState(enum.Enum):
     QUEUED = "queued"
-    """Submitted, never admitted."""
+    """Submitted, not admitted (or re-queued to start from scratch)."""
     RUNNING = "running"
     """Resident on a rollout rank (generating or waiting for its environment)."""
     PAUSED = "paused"
     """Holds an environment but no KV: paused by priority, or handed back by a leaving rank."""
+    FAILED = "failed"
+    """Its runner raised; it holds nothing. The caller re-queues it (`requeue`) or cancels its group."""
     FINISHED = "finished"
+    CANCELLED = "cancelled"
+    """Dropped unfinished with its group (`cancel_group`); terminal."""
+
+
+TERMINAL = (TaskState.FINISHED, TaskState.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -125,6 +198,13 @@ class TaskStatus:
     """Lost its KV (paused or moved): the next turn recomputes the prefix."""
     seq: int = 0
     """Submission order (FIFO tie-break)."""
+    pauses: int = 0
+    """Times CTB paused this task (`max_pauses_per_task`)."""
+    paused_on: Optional[int] = None
+    """PAUSED: the rank it ran on (its context may be cached there); None if that rank left."""
+    paused_at: float = 0.0
+    releasing_on: set = field(default_factory=set)
+    """Ranks that still hold the task's tokens and row until the carrier confirms the release."""
 
     @property
     def footprint(self) -> int:
@@ -150,7 +230,7 @@ class Resume:
     task: RolloutTask
     rank: int
     prefix_affinity: bool
-    """True when placed on a rank that holds the group's prefixes."""
+    """True when placed on a rank that holds the task's own or its group's prefixes."""
 
 
 @dataclass(frozen=True)
@@ -161,18 +241,32 @@ class Requeue:
     from_rank: int
 
 
-Decision = Union[Admit, Pause, Resume, Requeue]
+@dataclass(frozen=True)
+class Cancel:
+    """Stop a task of a cancelled group. `rank`: where it was resident (None if it was paused:
+    its runner is wherever it last ran); tasks never admitted or failed get no Cancel."""
+
+    task: RolloutTask
+    rank: Optional[int]
+
+
+Decision = Union[Admit, Pause, Resume, Requeue, Cancel]
 
 
 @dataclass
 class RankPool:
-    """One rollout rank's token budget and residents."""
+    """One rollout rank's budgets and the tasks it holds."""
 
     rank: int
     budget: int
+    """KV token budget."""
+    max_resident: Optional[int] = None
+    """Most tasks held at once (resident + releasing); None: no count cap."""
     accepting: bool = True
     """False while quarantined: no new admissions or resumes."""
     residents: set = field(default_factory=set)
+    releasing: dict = field(default_factory=dict)
+    """Paused tasks whose tokens and row the rank still holds: task id -> tokens."""
     type_counts: Counter = field(default_factory=Counter)
     """Resident tasks per task type (diversity constraint without rescanning residents)."""
     group_counts: Counter = field(default_factory=Counter)
@@ -180,6 +274,14 @@ class RankPool:
 
     def free(self, used: int) -> int:
         return self.budget - used
+
+    @property
+    def held(self) -> int:
+        return len(self.residents) + len(self.releasing)
+
+    @property
+    def idle(self) -> bool:
+        return not self.residents and not self.releasing
 
 
 @dataclass
@@ -193,6 +295,7 @@ class _Group:
     probe_footprint: Optional[int] = None
     started: bool = False
     """Some task of the group has been admitted: the whole group is committed work."""
+    cancelled: bool = False
     prefix_ranks: Counter = field(default_factory=Counter)
     queued: "OrderedDict[Hashable, None]" = field(default_factory=OrderedDict)
     members: list = field(default_factory=list)
@@ -206,12 +309,16 @@ class _Group:
 class CTBScheduler:
     """The CTB policy for all rollout ranks. Single-threaded; deterministic given its inputs."""
 
-    def __init__(self, config: CTBConfig, ranks: Iterable[int] = ()):
+    def __init__(self, config: CTBConfig, ranks: Iterable[int] = (), *, confirm_release: bool = False):
         self.config = config
+        self.confirm_release = confirm_release
+        """True: Pause keeps the task's tokens and row booked until `on_released` (see module doc)."""
         self._tasks: dict[Hashable, TaskStatus] = {}
         self._groups: "OrderedDict[Hashable, _Group]" = OrderedDict()
         self._ranks: dict[int, RankPool] = {}
         self._used: dict[int, int] = {}
+        """Tokens of each rank's residents (what pausing reduces)."""
+        self._releasing_tokens: dict[int, int] = {}
         self._seq = 0
         # Paused tasks in pause order, and the counts the admission constraints read, kept
         # incrementally so a schedule() call costs O(decisions x ranks), not O(all tasks).
@@ -222,26 +329,39 @@ class CTBScheduler:
             self.add_rank(r)
 
     # ------------------------------------------------------------------ ranks
-    def add_rank(self, rank: int, budget: Optional[int] = None) -> None:
+    def add_rank(self, rank: int, budget: Optional[int] = None, max_resident: Optional[int] = None) -> None:
+        """A rank joins rollout with a token budget and a task cap (config defaults when None)."""
         if rank in self._ranks:
             raise ValueError(f"rank {rank} already in rollout")
-        self._ranks[rank] = RankPool(rank, budget or self.config.rank_token_budget)
+        cap = max_resident if max_resident is not None else self.config.max_resident_per_rank
+        if cap is not None and cap < 1:
+            raise ValueError(f"rank {rank}: max_resident must be >= 1, got {cap}")
+        self._ranks[rank] = RankPool(rank, budget or self.config.rank_token_budget, cap)
         self._used[rank] = 0
+        self._releasing_tokens[rank] = 0
 
     def set_accepting(self, rank: int, accepting: bool) -> None:
         """Quarantine (False) or re-open (True) a rank; residents are left alone."""
         self._ranks[rank].accepting = accepting
 
     def remove_rank(self, rank: int) -> list[Requeue]:
-        """The rank leaves rollout (ERS role change or failure): hand back every resident task."""
+        """The rank leaves rollout (ERS role change or failure): hand back every resident task.
+
+        Its engine and caches are gone, so what it was releasing is released, and paused tasks
+        that waited for it may resume anywhere."""
         pool = self._ranks.pop(rank)
-        del self._used[rank]
+        del self._used[rank], self._releasing_tokens[rank]
+        for tid in pool.releasing:
+            self._tasks[tid].releasing_on.discard(rank)
         out = []
         for tid in sorted(pool.residents, key=lambda t: self._tasks[t].seq):
             st = self._tasks[tid]
             st.rank = None
-            self._to_paused(st)
+            self._to_paused(st, None, 0.0)
             out.append(Requeue(st.task, rank))
+        for tid in self._paused:
+            if self._tasks[tid].paused_on == rank:
+                self._tasks[tid].paused_on = None
         for g in self._groups.values():
             g.prefix_ranks.pop(rank, None)
         return out
@@ -251,8 +371,19 @@ class CTBScheduler:
         return sorted(self._ranks)
 
     def rank_usage(self, rank: int) -> tuple[int, int]:
-        """(tokens in use, budget) of a rollout rank."""
+        """(tokens of its resident tasks, token budget) of a rollout rank."""
         return self._used[rank], self._ranks[rank].budget
+
+    def rank_releasing(self, rank: int) -> tuple[int, int]:
+        """(tokens, tasks) a rank still holds for paused or cancelled tasks until their release is
+        confirmed; admission counts them on top of `rank_usage`."""
+        pool = self._ranks[rank]
+        return self._releasing_tokens[rank], len(pool.releasing)
+
+    def rank_tasks(self, rank: int) -> tuple[int, Optional[int]]:
+        """(tasks held: residents + releasing, cap) of a rollout rank."""
+        pool = self._ranks[rank]
+        return pool.held, pool.max_resident
 
     # ------------------------------------------------------------------ task events
     def submit(self, tasks: Iterable[RolloutTask]) -> None:
@@ -263,6 +394,8 @@ class CTBScheduler:
             group = self._groups.get(task.group_id)
             if group is None:
                 group = self._groups[task.group_id] = _Group(task.group_id, task.task_type, task.is_eval, task.task_id)
+            elif group.cancelled:
+                raise ValueError(f"group {task.group_id!r} was cancelled; submit its retry as a new group")
             group.total += 1
             group.members.append(task.task_id)
             group.queued[task.task_id] = None
@@ -288,36 +421,98 @@ class CTBScheduler:
             group.probe_footprint = context_tokens
 
     def on_task_finished(self, task_id: Hashable, context_tokens: Optional[int] = None) -> None:
+        """The task's trajectory is done; whatever it held on any rank is free."""
         st = self._tasks[task_id]
-        if st.state is TaskState.FINISHED:
-            raise ValueError(f"task {task_id!r} finished twice")
-        if st.state is TaskState.QUEUED:
-            raise ValueError(f"task {task_id!r} finished without being admitted")
+        if st.state not in (TaskState.RUNNING, TaskState.PAUSED):
+            raise ValueError(f"task {task_id!r} is {st.state.name}: only a running or paused task can finish")
         group = self._groups[st.task.group_id]
         if group.probe == task_id and group.probe_footprint is None:
             # A probe that finished within its first turn still measured that turn.
             group.probe_footprint = context_tokens if context_tokens is not None else st.footprint
-        if st.state is TaskState.RUNNING:
-            self._evict(st)
-        self._paused.pop(task_id, None)
-        self._holding_env -= 1
+        self._release_everything(st)
         self._committed_train -= not group.is_eval
         st.state, st.active = TaskState.FINISHED, False
         group.finished += 1
 
-    def forget(self, group_id: Hashable) -> list[Hashable]:
-        """Drop a group whose tasks have all finished; returns the forgotten task ids.
+    def on_task_failed(self, task_id: Hashable) -> None:
+        """The task's runner raised (env or engine error) and closed its session: it holds
+        nothing any more and waits, FAILED, for `requeue` or `cancel_group`."""
+        st = self._tasks[task_id]
+        if st.state not in (TaskState.RUNNING, TaskState.PAUSED):
+            raise ValueError(f"task {task_id!r} is {st.state.name}: only a running or paused task can fail")
+        self._release_everything(st)
+        st.state, st.active = TaskState.FAILED, False
 
-        Finished tasks hold no KV, no environment and no admission counter, so forgetting
-        them changes no decision; it keeps a long run's tables (and `schedule`'s scans)
-        bounded. A group with a task still queued, running or paused is refused
+    def requeue(self, task_id: Hashable) -> None:
+        """Start a FAILED task, or a PAUSED one whose runner is gone, again from scratch.
+
+        What it held is freed (a PAUSED one keeps only bookings still to be confirmed released);
+        it is admitted again like a new member of its group (the probe again if the group's
+        footprint was never measured). The group stays committed. Retry limits are the caller's."""
+        st = self._tasks[task_id]
+        if st.state not in (TaskState.FAILED, TaskState.PAUSED):
+            raise ValueError(f"task {task_id!r} is {st.state.name}: only a failed or paused task can be re-queued")
+        if st.state is TaskState.PAUSED:
+            self._paused.pop(task_id)
+            self._holding_env -= 1
+        st.state, st.active, st.needs_prefill = TaskState.QUEUED, False, False
+        st.context_tokens, st.reserved_tokens, st.turns_done, st.pauses, st.paused_on = None, 0, 0, 0, None
+        self._groups[st.task.group_id].queued[task_id] = None
+
+    def cancel_group(self, group_id: Hashable) -> list[Cancel]:
+        """Drop every unfinished task of a group (it can no longer be used: a failure past its
+        retries, or too late to be consumed within the staleness bound). Its queued and failed
+        tasks just leave the queue; running and paused ones get a `Cancel` for the carrier, and
+        with confirmed release their bookings stay until `on_released`. Finished tasks stay
+        FINISHED (the caller books their tokens as wasted). Returns the Cancels."""
+        group = self._groups[group_id]
+        if group.cancelled:
+            return []
+        group.cancelled = True
+        out = []
+        for tid in group.members:
+            st = self._tasks[tid]
+            if st.state in TERMINAL:
+                continue
+            if st.state is TaskState.RUNNING:
+                out.append(Cancel(st.task, st.rank))
+                self._evict(st, keep_booked=self.confirm_release)
+            elif st.state is TaskState.PAUSED:
+                out.append(Cancel(st.task, None))
+            if st.state in (TaskState.RUNNING, TaskState.PAUSED):
+                self._holding_env -= 1
+            self._paused.pop(tid, None)
+            group.queued.pop(tid, None)
+            self._committed_train -= group.started and not group.is_eval
+            st.state, st.active, st.paused_on = TaskState.CANCELLED, False, None
+        return out
+
+    def on_released(self, rank: int, task_id: Hashable) -> None:
+        """The carrier confirms that `rank` holds nothing more of a paused task (session closed).
+        Unknown or already released pairs are a no-op (a release may race with a finish)."""
+        pool = self._ranks.get(rank)
+        st = self._tasks.get(task_id)
+        if pool is None or st is None or task_id not in pool.releasing:
+            return
+        self._releasing_tokens[rank] -= pool.releasing.pop(task_id)
+        st.releasing_on.discard(rank)
+
+    def forget(self, group_id: Hashable) -> list[Hashable]:
+        """Drop a group whose tasks have all finished or been cancelled (and released); returns
+        the forgotten task ids.
+
+        Such tasks hold no KV, no environment and no admission counter, so forgetting them
+        changes no decision; it keeps a long run's tables (and `schedule`'s scans) bounded. A
+        group with a task still queued, running, paused, failed or releasing is refused
         (ValueError): forgetting it would silently lose work. Unknown ids are a no-op.
         """
         group = self._groups.get(group_id)
         if group is None:
             return []
-        if group.finished < group.total:
-            raise ValueError(f"group {group_id!r} has unfinished tasks ({group.finished}/{group.total})")
+        if any(self._tasks[t].state not in TERMINAL for t in group.members):
+            raise ValueError(f"group {group_id!r} has unfinished tasks ({group.finished}/{group.total} finished)")
+        if any(self._tasks[t].releasing_on for t in group.members):
+            raise ValueError(f"group {group_id!r} has cancelled tasks whose release is not confirmed yet")
         for tid in group.members:
             del self._tasks[tid]
         del self._groups[group_id]
@@ -346,16 +541,24 @@ class CTBScheduler:
 
         `unconsumed_trajectories`: finished training trajectories not yet consumed by the
         trainer (`GlobalBuffer.unconsumed_trajectories()`), for the staleness throttle.
+        `now` dates pauses (`move_after_s`); decisions depend on it only through that.
         """
-        del now  # decisions depend on state only; kept for a uniform, clock-passing interface
-        decisions: list[Decision] = self._pause_over_budget()
-        decisions += self._resume_paused()
-        if not self._paused:
-            decisions += self._admit_new(unconsumed_trajectories)
+        decisions: list[Decision] = self._pause_over_budget(now)
+        decisions += self._resume_paused(now)
+        awaited = self._ranks_awaited_by_paused(now)
+        if awaited is not None:
+            decisions += self._admit_new(unconsumed_trajectories, awaited)
         return decisions
 
-    def _pause_over_budget(self) -> list[Decision]:
+    def _protected(self, st: TaskStatus) -> bool:
+        c = self.config
+        if c.max_pauses_per_task is not None and st.pauses >= c.max_pauses_per_task:
+            return True
+        return c.task_max_turns is not None and st.turns_done >= c.task_max_turns - c.protect_final_turns
+
+    def _pause_over_budget(self, now: float) -> list[Decision]:
         out: list[Decision] = []
+        hard = self.config.hard_water
         for rank in self.ranks:
             pool = self._ranks[rank]
             if self._used[rank] <= pool.budget:
@@ -366,28 +569,48 @@ class CTBScheduler:
                 if self._used[rank] <= pool.budget or len(pool.residents) == 1:
                     break  # pausing a rank's only task frees nothing it could use
                 st = self._tasks[tid]
+                if self._protected(st) and self._used[rank] <= pool.budget * hard:
+                    continue
                 prio = self.priority(tid)
-                self._evict(st)
-                self._to_paused(st)
+                self._evict(st, keep_booked=self.confirm_release)
+                self._to_paused(st, rank, now)
+                st.pauses += 1
                 out.append(Pause(st.task, rank, prio))
         return out
 
-    def _resume_paused(self) -> list[Decision]:
+    def _waiting_home(self, st: TaskStatus, now: float) -> Optional[int]:
+        """The rank a paused task still waits for (None: it may resume anywhere)."""
+        home = st.paused_on
+        if home is None or home not in self._ranks or now - st.paused_at >= self.config.move_after_s:
+            return None
+        return home
+
+    def _ranks_awaited_by_paused(self, now: float) -> Optional[set]:
+        """Resume-before-admit: ranks on which nothing new may be admitted (None: every rank)."""
+        awaited = set()
+        for tid in self._paused:
+            home = self._waiting_home(self._tasks[tid], now)
+            if home is None:
+                return None  # a task that may go anywhere waits for room: nobody is admitted
+            awaited.add(home)
+        return awaited
+
+    def _resume_paused(self, now: float) -> list[Decision]:
         out: list[Decision] = []
-        paused = [self._tasks[t] for t in self._paused]
-        paused.sort(key=lambda st: (-self.priority(st.task.task_id), st.seq))
+        paused = sorted((self._tasks[t] for t in self._paused), key=lambda st: (-self.priority(st.task.task_id), st.seq))
         for st in paused:
             need = st.footprint
-            group = self._groups[st.task.group_id]
             rank, affinity = None, False
-            for r, _ in sorted(group.prefix_ranks.items(), key=lambda kv: (-kv[1], kv[0])):
-                if self._fits(r, need):
-                    rank, affinity = r, True
-                    break
-            if rank is None:
-                rank = self._best_rank(st.task, need)
-            if rank is None:
-                rank = self._empty_rank_for_oversize(need)
+            if st.paused_on is not None and self._placeable(st.paused_on, need):
+                rank, affinity = st.paused_on, True
+            elif self._waiting_home(st, now) is None:
+                group = self._groups[st.task.group_id]
+                for r, _ in sorted(group.prefix_ranks.items(), key=lambda kv: (-kv[1], kv[0])):
+                    if self._placeable(r, need):
+                        rank, affinity = r, True
+                        break
+                if rank is None:
+                    rank = self._best_rank(st.task, need)
             if rank is None:
                 continue
             del self._paused[st.task.task_id]
@@ -395,7 +618,7 @@ class CTBScheduler:
             out.append(Resume(st.task, rank, affinity))
         return out
 
-    def _admit_new(self, unconsumed_trajectories: int) -> list[Decision]:
+    def _admit_new(self, unconsumed_trajectories: int, awaited: set) -> list[Decision]:
         c = self.config
         holding_env = self._holding_env
         train_cap = (c.max_staleness + 1) * c.trainer_batch_trajectories if c.staleness_throttle else None
@@ -421,7 +644,7 @@ class CTBScheduler:
                 if holding_env >= c.env_concurrency:
                     break
                 need = self._estimate(st)
-                rank = self._best_rank(st.task, need)
+                rank = self._best_rank(st.task, need, awaited)
                 if rank is None:
                     break  # same estimate for every queued member of the group
                 st.reserved_tokens = need
@@ -442,39 +665,43 @@ class CTBScheduler:
             return max(group.probe_footprint, st.task.prompt_tokens)
         return st.task.prompt_tokens + self.config.probe_turn_reserve_tokens
 
-    def _fits(self, rank: int, need: int) -> bool:
-        pool = self._ranks.get(rank)
-        return pool is not None and pool.accepting and self._used[rank] + need <= pool.budget
+    def _placeable(self, rank: int, need: int, awaited: Iterable[int] = ()) -> bool:
+        """May a task of `need` tokens be placed on `rank` now?
 
-    def _best_rank(self, task: RolloutTask, need: int) -> Optional[int]:
+        Within the rank's task cap, and its booked tokens stay at or below low water; a task
+        larger than every rank's low-water budget may run alone on an idle rank instead (it
+        would otherwise never run)."""
+        pool = self._ranks.get(rank)
+        if pool is None or not pool.accepting or rank in awaited:
+            return False
+        if pool.max_resident is not None and pool.held >= pool.max_resident:
+            return False
+        low = self.config.low_water
+        if self._used[rank] + self._releasing_tokens[rank] + need <= pool.budget * low:
+            return True
+        return pool.idle and all(need > p.budget * low for p in self._ranks.values())
+
+    def _best_rank(self, task: RolloutTask, need: int, awaited: Iterable[int] = ()) -> Optional[int]:
         """Most headroom (as a budget fraction) minus the diversity penalty; ties -> lowest rank."""
         best, best_score = None, None
+        group = self._groups[task.group_id]
         for r in self.ranks:
-            if not self._fits(r, need):
+            if not self._placeable(r, need, awaited):
                 continue
             pool = self._ranks[r]
             same_type = pool.type_counts[task.task_type]
-            if self._groups[task.group_id].task_type == task.task_type:
+            if group.task_type == task.task_type:
                 same_type -= pool.group_counts[task.group_id]
-            group_here = self._groups[task.group_id].prefix_ranks.get(r, 0)
             # Group members share a prompt prefix: a small bonus keeps them together.
-            score = (pool.free(self._used[r]) / pool.budget - self.config.diversity_penalty * same_type
-                     + (self.config.diversity_penalty if group_here else 0.0))
+            score = (pool.free(self._used[r] + self._releasing_tokens[r]) / pool.budget
+                     - self.config.diversity_penalty * same_type
+                     + (self.config.diversity_penalty if group.prefix_ranks.get(r, 0) else 0.0))
             if best_score is None or score > best_score:
                 best, best_score = r, score
         return best
 
-    def _empty_rank_for_oversize(self, need: int) -> Optional[int]:
-        """A context larger than every budget may run alone on an idle rank, never beside others."""
-        if any(need <= p.budget for p in self._ranks.values()):
-            return None
-        for r in self.ranks:
-            if self._ranks[r].accepting and not self._ranks[r].residents:
-                return r
-        return None
-
     def _place(self, st: TaskStatus, rank: int) -> None:
-        st.state, st.rank = TaskState.RUNNING, rank
+        st.state, st.rank, st.paused_on = TaskState.RUNNING, rank, None
         pool = self._ranks[rank]
         pool.residents.add(st.task.task_id)
         pool.type_counts[st.task.task_type] += 1
@@ -482,17 +709,36 @@ class CTBScheduler:
         self._used[rank] += st.footprint
         self._groups[st.task.group_id].prefix_ranks[rank] += 1
 
-    def _evict(self, st: TaskStatus) -> None:
+    def _evict(self, st: TaskStatus, keep_booked: bool = False) -> None:
+        """The task stops being resident; `keep_booked`: its tokens and row stay booked on the
+        rank until the release is confirmed."""
         if st.rank is not None and st.rank in self._ranks:
             pool = self._ranks[st.rank]
-            pool.residents.discard(st.task.task_id)
+            tid = st.task.task_id
+            pool.residents.discard(tid)
             pool.type_counts[st.task.task_type] -= 1
             pool.group_counts[st.task.group_id] -= 1
             self._used[st.rank] -= st.footprint
+            if keep_booked:
+                pool.releasing[tid] = pool.releasing.get(tid, 0) + st.footprint
+                self._releasing_tokens[st.rank] += st.footprint
+                st.releasing_on.add(st.rank)
         st.rank = None
 
-    def _to_paused(self, st: TaskStatus) -> None:
+    def _release_everything(self, st: TaskStatus) -> None:
+        """Finished (or failed): the runner closed its session, so nothing stays booked anywhere."""
+        if st.state is TaskState.RUNNING:
+            self._evict(st)
+        for rank in list(st.releasing_on):
+            self.on_released(rank, st.task.task_id)
+        if st.state in (TaskState.RUNNING, TaskState.PAUSED):
+            self._holding_env -= 1
+        self._paused.pop(st.task.task_id, None)
+        st.paused_on = None
+
+    def _to_paused(self, st: TaskStatus, rank: Optional[int], now: float) -> None:
         st.state, st.active, st.needs_prefill = TaskState.PAUSED, False, True
+        st.paused_on, st.paused_at = rank, now
         self._paused[st.task.task_id] = None
 
     def _set_usage(self, st: TaskStatus, context_tokens: int) -> None:
@@ -538,9 +784,16 @@ class CTBScheduler:
             used = sum(self._tasks[t].footprint for t in pool.residents)
             if used != self._used[r]:
                 problems.append(f"rank {r}: usage {self._used[r]} != residents' footprint {used}")
+            if sum(pool.releasing.values()) != self._releasing_tokens[r]:
+                problems.append(f"rank {r}: releasing tokens drifted")
+            if any(r not in self._tasks[t].releasing_on for t in pool.releasing):
+                problems.append(f"rank {r}: releasing index drifted")
+            if pool.max_resident is not None and len(pool.residents) > pool.max_resident:
+                problems.append(f"rank {r}: {len(pool.residents)} residents > cap {pool.max_resident}")
             resident_ids |= pool.residents
         holding = [st for st in self._tasks.values() if st.state in (TaskState.RUNNING, TaskState.PAUSED)]
-        committed = sum(g.total - g.finished for g in self._groups.values() if g.started and not g.is_eval)
+        committed = sum(1 for st in self._tasks.values() if st.state not in TERMINAL and not st.task.is_eval
+                        and self._groups[st.task.group_id].started)
         if self._holding_env != len(holding) or self._committed_train != committed:
             problems.append("incremental env/training counters drifted")
         if set(self._paused) != {t for t, st in self._tasks.items() if st.state is TaskState.PAUSED}:
@@ -554,4 +807,6 @@ class CTBScheduler:
             queued = tid in self._groups[st.task.group_id].queued
             if queued != (st.state is TaskState.QUEUED):
                 problems.append(f"task {tid!r} queue membership disagrees with state {st.state.name}")
+            if any(r not in self._ranks or tid not in self._ranks[r].releasing for r in st.releasing_on):
+                problems.append(f"task {tid!r} releasing index drifted")
         return problems

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tide_megatron.core.ctb import PAPER_RULES
 from tide_megatron.core import (
     Admit,
     CTBConfig,
@@ -22,7 +23,7 @@ def group(gid, n=4, *, ttype="web", prompt=500, is_eval=False):
 
 def sched(ranks=(0,), **kw):
     base = dict(rank_token_budget=10_000, env_concurrency=100, trainer_batch_trajectories=1000,
-                probe_turn_reserve_tokens=500, context_norm_tokens=10_000)
+                probe_turn_reserve_tokens=500, context_norm_tokens=10_000, **PAPER_RULES)
     base.update(kw)
     return CTBScheduler(CTBConfig(**base), ranks)
 
