@@ -13,7 +13,7 @@ What a resident task holds on its rollout rank, and how each budget is derived:
   every later turn borrows that row (no second row). But the scheduler admits a waiting
   request only while some row is FREE (`Scheduler.get_num_allocatable_reqs` > 0), even a turn
   that would borrow its own session's row: with as many open sessions as rows, every next turn
-  waits forever (measured: a stalled turn ran within 0.01 s of one session closing). So a rank
+  waits forever, and runs as soon as one session closes. So a rank
   may hold at most `max_running_requests - 1` tasks (`resident_cap_for_rows`): each resident
   task has at most one session (one row), and tasks whose pause or cancel is not yet confirmed
   by the carrier still count, so one row is always free for the next turn of any of them.
