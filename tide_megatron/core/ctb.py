@@ -71,9 +71,12 @@ carry out.
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Optional, Union
+
+from tide_megatron.core.ctb_deadline import GroupLatency, TrainerClock
 
 
 @dataclass
@@ -125,6 +128,32 @@ class CTBConfig:
     """A paused task waits this long for room on the rank it ran on before it may resume on
     another rank; meanwhile that rank admits nothing new. 0: move at once; inf: never move (a
     carrier that cannot move tasks between ranks)."""
+    deadline_admission: bool = True
+    """With a `TrainerClock`, start a training group only if now + the predicted group latency
+    (`latency_quantile` of the last `latency_window` completed groups) is within its deadline
+    (the end of the step producing version v + max_staleness + 1, v the version it starts at).
+    Cold start (no group completed yet): no prediction, the staleness throttle alone bounds
+    admission. With no training work outstanding a group always starts: the trainer's next
+    step, which moves every deadline, needs it."""
+    latency_quantile: float = 0.9
+    """The prediction is this quantile of recent group latencies: a group starts only if 9 in 10
+    recent groups would have made its deadline, so while the latency distribution holds about 1
+    started group in 10 or fewer misses it (and is cancelled)."""
+    latency_window: int = 32
+    """Completed training groups the quantile is taken over: enough that the 0.9 quantile is not
+    just the maximum (>= 10 samples, 3 beyond it at 32), few enough to follow a changing workload
+    within a few steps (a step consumes B_ideal / G groups, e.g. 16)."""
+    throttle_from_consumption: bool = True
+    """With a measured consumption rate c (trajectories/s) in the clock, the staleness throttle
+    caps outstanding training trajectories at c x (deadline of a group started now - now): what
+    the trainer can take before work started now goes stale. False, or no rate measured yet: the
+    fixed (max_staleness + 1) x trainer_batch_trajectories (the same when c = B_ideal / T_step
+    and a step has just begun)."""
+    cancel_doomed: bool = True
+    """With a clock, a started training group that can no longer be consumed within the staleness
+    bound (the version the ranks serve is past v + max_staleness) is cancelled at once: a
+    `GroupCancelled` decision, then `Cancel` for its running and paused tasks, freeing their KV,
+    rows and env slots (its tokens are wasted either way; the caller books them)."""
 
     def __post_init__(self) -> None:
         if self.rank_token_budget <= 0 or self.env_concurrency <= 0:
@@ -139,11 +168,15 @@ class CTBConfig:
             raise ValueError("max_pauses_per_task and protect_final_turns must be >= 0")
         if self.move_after_s < 0:
             raise ValueError("move_after_s must be >= 0")
+        if not 0.0 < self.latency_quantile <= 1.0 or self.latency_window < 1:
+            raise ValueError("need 0 < latency_quantile <= 1 and latency_window >= 1")
 
 
-PAPER_RULES = {"low_water": 1.0, "max_pauses_per_task": None, "task_max_turns": None, "move_after_s": 0.0}
+PAPER_RULES = {"low_water": 1.0, "max_pauses_per_task": None, "task_max_turns": None, "move_after_s": 0.0,
+               "deadline_admission": False, "throttle_from_consumption": False, "cancel_doomed": False}
 """`CTBConfig` options that reduce the policy to the paper's rules alone: no hysteresis, no
-pause bounds, paused tasks free to move at once (resume-before-admit on every rank)."""
+pause bounds, paused tasks free to move at once (resume-before-admit on every rank), the fixed
+staleness throttle and no deadlines."""
 
 
 class TaskState(enum.Enum):
@@ -250,7 +283,17 @@ class Cancel:
     rank: Optional[int]
 
 
-Decision = Union[Admit, Pause, Resume, Requeue, Cancel]
+@dataclass(frozen=True)
+class GroupCancelled:
+    """A started training group can no longer be consumed within the staleness bound; its
+    `Cancel`s follow. The caller books the group as wasted."""
+
+    group_id: Hashable
+    version: int
+    """The policy version it was started at."""
+
+
+Decision = Union[Admit, Pause, Resume, Requeue, Cancel, GroupCancelled]
 
 
 @dataclass
@@ -296,6 +339,9 @@ class _Group:
     started: bool = False
     """Some task of the group has been admitted: the whole group is committed work."""
     cancelled: bool = False
+    started_at: Optional[float] = None
+    version: Optional[int] = None
+    """Training groups started with a clock: the policy version at the start (its deadline)."""
     prefix_ranks: Counter = field(default_factory=Counter)
     queued: "OrderedDict[Hashable, None]" = field(default_factory=OrderedDict)
     members: list = field(default_factory=list)
@@ -325,6 +371,10 @@ class CTBScheduler:
         self._paused: "OrderedDict[Hashable, None]" = OrderedDict()
         self._holding_env = 0
         self._committed_train = 0  # unfinished tasks of started training groups, queued ones included
+        self._now = 0.0
+        """Time of the latest `schedule` call (the default time of events reported without one)."""
+        self.latency = GroupLatency(config.latency_window, config.latency_quantile)
+        """Completion latency of recent training groups (deadline admission)."""
         for r in ranks:
             self.add_rank(r)
 
@@ -420,8 +470,10 @@ class CTBScheduler:
         if group.probe == task_id and group.probe_footprint is None:
             group.probe_footprint = context_tokens
 
-    def on_task_finished(self, task_id: Hashable, context_tokens: Optional[int] = None) -> None:
-        """The task's trajectory is done; whatever it held on any rank is free."""
+    def on_task_finished(self, task_id: Hashable, context_tokens: Optional[int] = None,
+                         now: Optional[float] = None) -> None:
+        """The task's trajectory is done (at `now`, default: the last `schedule` time); whatever
+        it held on any rank is free. A training group's last finish measures its latency."""
         st = self._tasks[task_id]
         if st.state not in (TaskState.RUNNING, TaskState.PAUSED):
             raise ValueError(f"task {task_id!r} is {st.state.name}: only a running or paused task can finish")
@@ -433,6 +485,8 @@ class CTBScheduler:
         self._committed_train -= not group.is_eval
         st.state, st.active = TaskState.FINISHED, False
         group.finished += 1
+        if group.finished == group.total and not group.is_eval and group.started_at is not None:
+            self.latency.record(max(0.0, (self._now if now is None else now) - group.started_at))
 
     def on_task_failed(self, task_id: Hashable) -> None:
         """The task's runner raised (env or engine error) and closed its session: it holds
@@ -536,19 +590,50 @@ class CTBScheduler:
         return (c.w_eval * st.task.is_eval + c.w_group * self._groups[st.task.group_id].completion
                 + c.w_active * st.active + c.w_context * context)
 
-    def schedule(self, now: float, *, unconsumed_trajectories: int = 0) -> list[Decision]:
-        """Pause over-budget ranks, resume paused tasks, then admit new ones.
+    def schedule(self, now: float, *, unconsumed_trajectories: int = 0,
+                 clock: Optional[TrainerClock] = None) -> list[Decision]:
+        """Cancel doomed groups, pause over-budget ranks, resume paused tasks, admit new ones.
 
         `unconsumed_trajectories`: finished training trajectories not yet consumed by the
         trainer (`GlobalBuffer.unconsumed_trajectories()`), for the staleness throttle.
-        `now` dates pauses (`move_after_s`); decisions depend on it only through that.
+        `clock`: the trainer's version, step time and consumption rate; with it training groups
+        get deadlines (`deadline_admission`, `throttle_from_consumption`, `cancel_doomed`).
+        `now` dates pauses (`move_after_s`), group starts and deadlines.
         """
-        decisions: list[Decision] = self._pause_over_budget(now)
+        self._now = now
+        decisions: list[Decision] = []
+        if clock is not None and self.config.cancel_doomed:
+            for gid in self.doomed_groups(clock.version):
+                decisions.append(GroupCancelled(gid, self._groups[gid].version))
+                decisions += self.cancel_group(gid)
+        decisions += self._pause_over_budget(now)
         decisions += self._resume_paused(now)
         awaited = self._ranks_awaited_by_paused(now)
         if awaited is not None:
-            decisions += self._admit_new(unconsumed_trajectories, awaited)
+            decisions += self._admit_new(unconsumed_trajectories, awaited, now, clock)
         return decisions
+
+    def deadline(self, group_id: Hashable, clock: TrainerClock, now: float) -> float:
+        """End of the last step that may consume a started training group (inf: no deadline)."""
+        version = self._groups[group_id].version
+        return math.inf if version is None else self._deadline(version, clock, now)
+
+    def _deadline(self, version: int, clock: TrainerClock, now: float) -> float:
+        # The step now running cannot end before now, however late its estimate says.
+        return max(clock.next_sync_at, now) + (version + self.config.max_staleness - clock.version) * clock.step_time_s
+
+    def doomed_groups(self, version: int) -> list[Hashable]:
+        """Started, unfinished training groups that no step can consume any more now that the
+        ranks serve `version`: their start version v has v + max_staleness < version. Only the
+        exact rule: a late estimate of the step time never cancels work that may still count."""
+        bound = self.config.max_staleness
+        return [g.group_id for g in self._groups.values()
+                if g.version is not None and not g.cancelled and g.finished < g.total and g.version + bound < version]
+
+    def _deadline_key(self, st: TaskStatus) -> float:
+        """Earliest deadline first among equal priorities: the start version orders deadlines."""
+        version = self._groups[st.task.group_id].version
+        return math.inf if version is None else version
 
     def _protected(self, st: TaskStatus) -> bool:
         c = self.config
@@ -563,8 +648,9 @@ class CTBScheduler:
             pool = self._ranks[rank]
             if self._used[rank] <= pool.budget:
                 continue
-            # Lowest priority first; among equals the most recently submitted goes first.
-            victims = sorted(pool.residents, key=lambda t: (self.priority(t), -self._tasks[t].seq))
+            # Lowest priority first; among equals the latest deadline, then the latest submitted.
+            victims = sorted(pool.residents, key=lambda t: (self.priority(t), -self._deadline_key(self._tasks[t]),
+                                                            -self._tasks[t].seq))
             for tid in victims:
                 if self._used[rank] <= pool.budget or len(pool.residents) == 1:
                     break  # pausing a rank's only task frees nothing it could use
@@ -597,7 +683,8 @@ class CTBScheduler:
 
     def _resume_paused(self, now: float) -> list[Decision]:
         out: list[Decision] = []
-        paused = sorted((self._tasks[t] for t in self._paused), key=lambda st: (-self.priority(st.task.task_id), st.seq))
+        paused = sorted((self._tasks[t] for t in self._paused),
+                        key=lambda st: (-self.priority(st.task.task_id), self._deadline_key(st), st.seq))
         for st in paused:
             need = st.footprint
             rank, affinity = None, False
@@ -618,22 +705,41 @@ class CTBScheduler:
             out.append(Resume(st.task, rank, affinity))
         return out
 
-    def _admit_new(self, unconsumed_trajectories: int, awaited: set) -> list[Decision]:
+    def _train_cap(self, now: float, clock: Optional[TrainerClock]) -> Optional[float]:
+        """Most outstanding training trajectories (staleness throttle; None: no throttle)."""
+        c = self.config
+        if not c.staleness_throttle:
+            return None
+        if clock is not None and c.throttle_from_consumption and clock.consumed_per_s is not None:
+            return clock.consumed_per_s * (self._deadline(clock.version, clock, now) - now)
+        return (c.max_staleness + 1) * c.trainer_batch_trajectories
+
+    def predicted_in_time(self, now: float, clock: TrainerClock) -> bool:
+        """Would a training group started now complete by its deadline (measured latencies)?
+        True at cold start (no completed group to predict from)."""
+        latency = self.latency.estimate()
+        return latency is None or now + latency <= self._deadline(clock.version, clock, now)
+
+    def _admit_new(self, unconsumed_trajectories: int, awaited: set, now: float,
+                   clock: Optional[TrainerClock]) -> list[Decision]:
         c = self.config
         holding_env = self._holding_env
-        train_cap = (c.max_staleness + 1) * c.trainer_batch_trajectories if c.staleness_throttle else None
+        train_cap = self._train_cap(now, clock)
+        in_time = clock is None or not c.deadline_admission or self.predicted_in_time(now, clock)
         out: list[Decision] = []
         # Eval groups first (they gate the weight sync), then groups already under way (a group
-        # is only trainable once whole), then new groups, each in submission order.
-        groups = sorted((g for g in self._groups.values() if g.queued), key=lambda g: (not g.is_eval, not g.started))
+        # is only trainable once whole) earliest deadline first, then new groups in submission order.
+        groups = sorted((g for g in self._groups.values() if g.queued),
+                        key=lambda g: (not g.is_eval, not g.started, math.inf if g.version is None else g.version))
         for group in groups:
             if holding_env >= c.env_concurrency:
                 break
-            if not group.started and not group.is_eval and train_cap is not None:
-                # The throttle commits whole groups: starting one books all G of its trajectories,
-                # so groups already under way can always finish (no deadlock on partial groups).
+            if not group.started and not group.is_eval:
+                # Both gates commit whole groups: starting one books all G of its trajectories, so
+                # groups already under way can always finish (no deadlock on partial groups); with
+                # nothing outstanding a group always starts, or the trainer would wait forever.
                 outstanding = unconsumed_trajectories + self._committed_train
-                if outstanding + group.total > train_cap and outstanding > 0:
+                if outstanding > 0 and (not in_time or (train_cap is not None and outstanding + group.total > train_cap)):
                     continue
             if group.probe_footprint is None:
                 candidates = [group.probe] if group.probe in group.queued else []
@@ -651,7 +757,9 @@ class CTBScheduler:
                 self._place(st, rank)
                 del group.queued[tid]
                 if not group.started:
-                    group.started = True
+                    group.started, group.started_at = True, now
+                    if clock is not None and not group.is_eval:
+                        group.version = clock.version
                     self._committed_train += 0 if group.is_eval else group.total - group.finished
                 self._holding_env += 1
                 holding_env += 1
@@ -768,6 +876,15 @@ class CTBScheduler:
 
     def probe_footprint(self, group_id: Hashable) -> Optional[int]:
         return self._groups[group_id].probe_footprint
+
+    def queued_tasks(self) -> int:
+        """Tasks waiting for admission (O(groups))."""
+        return sum(len(g.queued) for g in self._groups.values())
+
+    def outstanding_training_tasks(self) -> int:
+        """Unfinished tasks of started training groups (queued members included): the work the
+        staleness throttle and deadline admission count besides the unconsumed trajectories."""
+        return self._committed_train
 
     def counts(self) -> dict[str, int]:
         c = Counter(st.state.value for st in self._tasks.values())

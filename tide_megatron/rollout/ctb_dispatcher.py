@@ -31,12 +31,14 @@ from tide_megatron.core.ctb import (
     Cancel,
     CTBScheduler,
     Decision,
+    GroupCancelled,
     Pause,
     Requeue,
     Resume,
     RolloutTask,
     TaskState,
 )
+from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_carrier import Carrier, TagFields
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, resident_cap_for_rows
 from tide_megatron.rollout.task_runner import TaskAssignment
@@ -76,7 +78,7 @@ class CTBDispatcher:
         self.rank_kv: dict[int, dict[str, Any]] = {}
         """Latest engine report per rank (from the plugin)."""
         self.stats = {"admits": 0, "pauses": 0, "resumes": 0, "resumes_with_affinity": 0, "requeues": 0,
-                      "restarts": 0, "failures": 0, "cancels": 0}
+                      "restarts": 0, "failures": 0, "cancels": 0, "groups_cancelled": 0}
         self._checked: set[int] = set()
         self._quarantined: set[int] = set()
         self._vanilla_ranks: set[int] = set()
@@ -145,11 +147,16 @@ class CTBDispatcher:
         if self.cfg.enabled:
             self.policy.submit(tasks)
 
-    def schedule(self, now: float, unconsumed_trajectories: int = 0) -> list[Decision]:
-        """One scheduling pass; every decision goes to the carrier. Returns the decisions."""
+    def schedule(self, now: float, unconsumed_trajectories: int = 0,
+                 clock: Optional[TrainerClock] = None) -> list[Decision]:
+        """One scheduling pass; every decision goes to the carrier. Returns the decisions: the
+        caller books each `GroupCancelled` (a group past its staleness deadline) as wasted.
+
+        `clock`: the trainer's version, measured step time, next sync and consumption rate;
+        without it there are no deadlines (fixed staleness throttle, nothing cancelled)."""
         if not self.cfg.enabled:
             return self._schedule_vanilla()
-        decisions = self.policy.schedule(now, unconsumed_trajectories=unconsumed_trajectories)
+        decisions = self.policy.schedule(now, unconsumed_trajectories=unconsumed_trajectories, clock=clock)
         for d in decisions:
             self._carry(d)
         return decisions
@@ -181,6 +188,9 @@ class CTBDispatcher:
             self.runner_rank.pop(str(tid), None)
 
     def _carry(self, d: Decision) -> None:
+        if isinstance(d, GroupCancelled):  # its tasks' Cancels follow
+            self.stats["groups_cancelled"] += 1
+            return
         tid = str(d.task.task_id)
         if isinstance(d, Admit):
             self.stats["admits"] += 1
@@ -229,15 +239,17 @@ class CTBDispatcher:
         if self._resident_on(rank, task_id):  # not paused or moved meanwhile
             self.policy.on_turn_finished(task_id, context_tokens)
 
-    def task_finished(self, rank: int, task_id: str, context_tokens: Optional[int] = None) -> bool:
-        """A trajectory is complete. False: the report is stale (the task was cancelled or
+    def task_finished(self, rank: int, task_id: str, context_tokens: Optional[int] = None,
+                      now: Optional[float] = None) -> bool:
+        """A trajectory is complete (at `now`; default: the last `schedule` time, which dates its
+        group's completion latency). False: the report is stale (the task was cancelled or
         restarted elsewhere meanwhile) and its trajectory must not be used."""
         if not self.cfg.enabled:
             self._vanilla_running.discard(task_id)
             return True
         if not self._runner_is(rank, task_id):
             return False
-        self.policy.on_task_finished(task_id, context_tokens)
+        self.policy.on_task_finished(task_id, context_tokens, now=now)
         return True
 
     def task_failed(self, rank: int, task_id: str, error: str) -> bool:

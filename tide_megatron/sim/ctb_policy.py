@@ -15,9 +15,19 @@ stay bounded over a long run.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
-from tide_megatron.core.ctb import Admit, CTBConfig, CTBScheduler, Pause, Resume, RolloutTask, TaskState
+from tide_megatron.core.ctb import (
+    Admit,
+    CTBConfig,
+    CTBScheduler,
+    GroupCancelled,
+    Pause,
+    Resume,
+    RolloutTask,
+    TaskState,
+)
+from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.sim.rollout_cluster import PlacementPolicy
 from tide_megatron.sim.workload import Trajectory
 
@@ -30,13 +40,22 @@ class CTBPolicy(PlacementPolicy):
     """The controller runs `schedule` on a 100 ms loop rather than after every token-level
     event; admissions wait 50 ms on average for it."""
 
-    def __init__(self, config: CTBConfig, budget_tokens: int, unconsumed_fn):
+    def __init__(self, config: CTBConfig, budget_tokens: int, unconsumed_fn,
+                 clock_fn: Optional[Callable[[float], TrainerClock]] = None,
+                 on_group_cancelled: Optional[Callable[[int], None]] = None):
+        """`clock_fn(now)`: the simulated trainer's clock, which turns on deadline-aware admission
+        and the cancellation of doomed groups (`CTBConfig.deadline_admission`, `cancel_doomed`);
+        `on_group_cancelled(group_id)`: the simulator stops that group's trajectories and books
+        them as wasted (required with `clock_fn`). Without a clock: no deadlines."""
+        if clock_fn is not None and on_group_cancelled is None:
+            raise ValueError("a clock_fn needs on_group_cancelled: CTB may cancel doomed groups")
         self.sched = CTBScheduler(config)
         self.budget = budget_tokens
         self.unconsumed_fn = unconsumed_fn
+        self.clock_fn = clock_fn
+        self.on_group_cancelled = on_group_cancelled
         self.trajs: Dict[int, Trajectory] = {}
         self.group_members: Dict[int, List[int]] = {}
-        self.queued = 0  # tasks submitted and not yet admitted
 
     # ------------------------------------------------------------------------ task stream
     def submit(self, trajs: List[Trajectory]) -> None:
@@ -44,18 +63,20 @@ class CTBPolicy(PlacementPolicy):
         for t in trajs:
             self.trajs[t.traj_id] = t
             self.group_members.setdefault(t.group_id, []).append(t.traj_id)
-        self.queued += len(trajs)
 
     def backlog(self) -> int:
-        return self.queued
+        return self.sched.queued_tasks()
 
     # ---------------------------------------------------------------------------- decisions
     def dispatch(self, now: float) -> None:
         c = self.cluster
-        for d in self.sched.schedule(now, unconsumed_trajectories=self.unconsumed_fn()):
-            traj = self.trajs[d.task.task_id]
+        clock = self.clock_fn(now) if self.clock_fn is not None else None
+        for d in self.sched.schedule(now, unconsumed_trajectories=self.unconsumed_fn(), clock=clock):
+            if isinstance(d, GroupCancelled):  # the simulator stops every member (its Cancels follow)
+                self.on_group_cancelled(d.group_id)
+                continue
+            traj = self.trajs.get(d.task.task_id)
             if isinstance(d, Admit):
-                self.queued -= 1
                 c.admit(traj, d.rank, now)
             elif isinstance(d, Resume):
                 c.resume(traj, d.rank, now)
@@ -87,8 +108,7 @@ class CTBPolicy(PlacementPolicy):
         if members is None:
             return  # its group was cancelled and forgotten already
         if getattr(traj, "cancelled", False):  # the cluster stops each member itself
-            self.queued -= sum(self.sched.status(t).state is TaskState.QUEUED for t in members)
-            self.sched.cancel_group(gid)
+            self.sched.cancel_group(gid)  # no-op when CTB cancelled the group
         else:
             self.sched.on_task_finished(traj.traj_id, traj.context)
         if all(self.sched.status(t).state in (TaskState.FINISHED, TaskState.CANCELLED) for t in members):

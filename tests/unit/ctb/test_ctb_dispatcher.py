@@ -5,7 +5,8 @@ import random
 import pytest
 from ctb_fakes import Recorder
 
-from tide_megatron.core.ctb import CTBConfig, TaskState
+from tide_megatron.core.ctb import CTBConfig, GroupCancelled, TaskState
+from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig
 from tide_megatron.rollout.ctb_dispatcher import CTBDispatcher, PluginMissing, RankMismatch, RankResources
 from tide_megatron.rollout.task_runner import TaskAssignment
@@ -285,3 +286,18 @@ def test_a_carrier_that_moves_tasks_resumes_a_leaving_ranks_tasks_elsewhere():
     d.schedule(2.0)
     assert sorted(c.of("resume")) == ["g/0", "g/1"] and c.where["g/0"] == c.where["g/1"] == 1
     assert d.task_finished(1, "g/0", 300) and not d.policy.audit()
+
+
+def test_a_group_past_its_staleness_deadline_is_cancelled_on_its_ranks_and_reported():
+    d, c = _dispatcher(ranks=1, kv=10_000)
+    d.submit(_assignments("g", 2), prompt_tokens=100)
+    d.schedule(0.0, clock=TrainerClock(0, 10.0, 10.0))
+    _turn(d, c, "g/0", 200)
+    d.schedule(1.0, clock=TrainerClock(0, 10.0, 10.0))
+    assert c.of("admit") == ["g/0", "g/1"]
+    decisions = d.schedule(30.0, clock=TrainerClock(2, 10.0, 40.0))  # bound 1: version 0 is done for
+    assert GroupCancelled("g", 0) in decisions
+    assert sorted(c.of("cancel")) == ["g/0", "g/1"] and d.stats["groups_cancelled"] == 1
+    assert not d.task_finished(0, "g/0", 300)  # a late finish of a cancelled task does not count
+    d.forget_group("g")
+    assert not d.assignments and not d.policy.audit()
