@@ -367,9 +367,11 @@ def main() -> None:
             for e in engines.values():
                 await e.flush_cache()
             # The pool must hold what pausing allows (budget x hard_water; the dispatcher checks it).
-            hard_water = min(CTBConfig().hard_water, 1.0 / budget_fraction)
+            # Vanilla runs (the sizing run among them, before the budget is known) use no budget.
+            fraction = budget_fraction if enabled else 1.0
+            hard_water = min(CTBConfig().hard_water, 1.0 / fraction)
             cfg = CTBDispatchConfig(
-                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=budget_fraction,
+                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=fraction,
                 turn_reserve_tokens=args.max_new_tokens + 48,
                 policy=CTBConfig(probe_turn_reserve_tokens=args.max_new_tokens + 48, staleness_throttle=False,
                                  context_norm_tokens=runner_cfg.max_context_tokens, task_max_turns=args.max_turns,
