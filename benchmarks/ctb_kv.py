@@ -24,14 +24,12 @@ ample pool (own process); the modes then run in --pairs pairs of alternating ord
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ctb_kv.json")
+import bench_record
 
 
 def ideal_cached(token_ids: list[int], loss_mask: list[int]) -> tuple[int, int]:
@@ -464,9 +462,7 @@ def main() -> None:
         print(f"{label:24}{v[key]:>12.3f}{c[key]:>12.3f}{ratio:>14.2f}")
     print(f"CTB hit rate / ideal: {ratios['ctb_hit_vs_ideal']:.3f}  (paper: 1.58x hit rate, 1.15x throughput)")
     record = {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **bench_record.header(),
         "settings": vars(args),
         "engine_startup_s": startup_s,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads, "ffn": 4 * args.hidden,
@@ -488,10 +484,7 @@ def main() -> None:
         "vanilla_ctb_of_first_pair": "the vanilla and ctb records (with time_breakdown) are the first pair's",
     }
     if not args.no_write:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
-            json.dump(record, f, indent=1)
-        print(f"wrote {RESULTS}")
+        bench_record.write("ctb_kv", record)
 
 
 if __name__ == "__main__":

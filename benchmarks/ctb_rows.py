@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
-import platform
-import sys
 import time
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ctb_rows.json")
+import bench_record
 GREEDY = {"max_new_tokens": 4, "temperature": 0}
 
 
@@ -116,19 +112,10 @@ def main() -> None:
     figures["max_running_requests"] = args.max_running_requests
     for key, value in figures.items():
         print(f"{key:48} {value}")
-    record = {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "sglang": __import__("importlib.metadata").metadata.version("sglang"),
-        "figures": figures,
-    }
+    record = {**bench_record.header(), "sglang": __import__("importlib.metadata").metadata.version("sglang"),
+              "figures": figures}
     if not args.no_write:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
-            json.dump(record, f, indent=1)
-        print(f"wrote {RESULTS}")
-
+        bench_record.write("ctb_rows", record)
 
 if __name__ == "__main__":
     main()

@@ -206,15 +206,19 @@ def test_protection_is_lifted_above_hard_water():
     assert len(d.policy.tasks_in(TaskState.PAUSED)) == 1 and not d.policy.audit()
 
 
-def test_paused_task_waits_for_its_own_rank_then_moves_and_other_ranks_keep_admitting():
-    d, c = _dispatcher(ranks=2, kv=1000, low_water=0.8, move_after_s=5.0)
+def _a_and_b_on_rank_0_then_one_paused(d, c):
     d.quarantine(1)
     _singles(d, "ab")
     d.schedule(0.0)
     d.quarantine(1, False)
     _turn(d, c, "a/0", 600)
     _turn(d, c, "b/0", 500)
-    d.schedule(1.0)
+    d.schedule(1.0)  # 1100 > 1000: one of them is paused on rank 0
+
+
+def test_paused_task_waits_for_its_own_rank_then_moves_and_other_ranks_keep_admitting():
+    d, c = _dispatcher(ranks=2, kv=1000, low_water=0.8, move_after_s=5.0)
+    _a_and_b_on_rank_0_then_one_paused(d, c)
     (paused,) = d.policy.tasks_in(TaskState.PAUSED)
     _singles(d, "c")
     d.schedule(2.0)  # rank 1 is empty but the paused task waits for rank 0 (its cache)
@@ -253,14 +257,8 @@ def test_a_pause_keeps_the_tasks_row_and_tokens_booked_until_the_rank_confirms_t
 
 def test_a_carrier_that_cannot_move_tasks_restarts_the_tasks_of_a_leaving_rank():
     d, c = _dispatcher(ranks=2, kv=1000, carrier=Recorder(can_move_tasks=False), low_water=1.0)
-    d.quarantine(1)
-    _singles(d, "ab")
-    d.schedule(0.0)
-    d.quarantine(1, False)
-    _turn(d, c, "a/0", 600)
-    _turn(d, c, "b/0", 500)
-    d.schedule(1.0)  # b paused on rank 0; with move_after_s = inf it waits for rank 0 only
-    assert c.of("pause") == ["b/0"]
+    _a_and_b_on_rank_0_then_one_paused(d, c)
+    assert c.of("pause") == ["b/0"]  # with move_after_s = inf it waits for rank 0 only
     d.schedule(100.0)
     assert c.of("resume") == []
     assert sorted(d.remove_rank(0)) == ["a/0", "b/0"]  # both runners were on rank 0
