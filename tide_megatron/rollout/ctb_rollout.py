@@ -54,7 +54,8 @@ class LocalCarrier:
         tid = assignment.trajectory_id
         handle = self.handles[tid] = TaskHandle(tid)
         self._tags[tid], self._rank[tid] = tag, rank
-        self._cancelled.pop(tid, None)
+        for stale in (self._cancelled, self._releases, self._target):  # of an earlier, failed attempt
+            stale.pop(tid, None)
         handle.place(rank)
         task = asyncio.get_running_loop().create_task(self.runner.run(assignment, handle, _LocalTurns(self, assignment)))
         self._tasks[tid] = task
