@@ -170,8 +170,7 @@ class Job:
         if not self.topo.is_controller:
             trainer.serve(self.mailbox)
             return
-        from tide_megatron.controller.controller import Controller
-        from tide_megatron.controller.streaming import StreamingController
+        from tide_megatron.controller.loop import Controller
         from tide_megatron.utils.metrics import MetricsLogger
 
         metrics = MetricsLogger(run.output_dir, run.steps, start_step, jsonl=self.cfg.metrics.jsonl,
@@ -179,12 +178,9 @@ class Job:
         self._closers.append(metrics)
         if start_step:
             metrics.write(f"resumed from step {start_step}")
-        if self.cfg.scheduler.mode == "tide":
-            eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
-            controller = StreamingController(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(),
-                                             start_step, eval_tasks=eval_tasks)
-        else:
-            controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step)
+        eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
+        controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step,
+                                eval_tasks=eval_tasks)
         try:
             controller.run()
         except BaseException:
@@ -198,7 +194,6 @@ class Job:
     def _run_rollout(self) -> None:
         from tide_megatron.envs.client import EnvClient
         from tide_megatron.rollout.engine import RolloutEngine
-        from tide_megatron.rollout.task_runner import TaskRunner
         from tide_megatron.rollout.worker import RolloutWorker, build_chat
 
         cfg = self.cfg
@@ -206,9 +201,9 @@ class Job:
         engine = RolloutEngine(engine_cfg, self.model_path)
         self._closers.append(engine)
         client = EnvClient(self._client_config())
-        runner = TaskRunner(cfg.rollout.runner, engine, build_chat(self.model_path, cfg.rollout.runner.system_prompt),
-                            client)
-        worker = RolloutWorker(self.topo.rank, engine, runner, self.mailbox, self.topo.job_group)
+        worker = RolloutWorker(self.topo.rank, engine, cfg.rollout.runner,
+                               build_chat(self.model_path, cfg.rollout.runner.system_prompt), client, self.mailbox,
+                               self.topo.job_group, heartbeat_interval_s=cfg.scheduler.heartbeat_interval_s)
         engine.loop.run_until_complete(client.connect())
         try:
             worker.run()

@@ -572,6 +572,9 @@ class GlobalBuffer:
         """Prompt + generated tokens ready for the trainer (its work, the unit of RAS)."""
         return sum(g.total_tokens for g in self._ready.values())
 
+    def is_pending(self, group_id: Hashable) -> bool:
+        return group_id in self._pending
+
     def pending_group_ids(self) -> list[Hashable]:
         return list(self._pending)
 

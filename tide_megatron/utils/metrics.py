@@ -64,6 +64,10 @@ class MetricsLogger:
         """A line on the console that does not break the progress bar (and in rank 0's log)."""
         say(message)
 
+    def mark_run_start(self) -> None:
+        """The first dispatch: the run's goodput counts wall time from here (engine start-up excluded)."""
+        self._started = time.monotonic()
+
     def summary(self, checkpoint_dir: str | None = None) -> list[str]:
         """The end-of-run lines: steps, wall time, goodput, reward first vs last, where outputs are."""
         wall = time.monotonic() - self._started
