@@ -16,7 +16,7 @@ real contexts. Same interface as `RequestPlacement`.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import CancelTask, PauseTask, ResumeTask, RunTask, TaskAssignment, TurnEvent
@@ -25,22 +25,35 @@ from tide_megatron.rollout.ctb_dispatcher import HysteresisCTBScheduler
 
 
 class CTBPlacement:
-    def __init__(self, cfg, mailbox: Mailbox, ranks: Iterable[int]):
+    def __init__(self, cfg, mailbox: Mailbox, ranks: Iterable[int],
+                 on_group_started: Optional[Callable[[str], None]] = None):
         ctb, sched = cfg.ctb, cfg.scheduler
         pool = cfg.rollout.engine.max_total_tokens
         budget = int(pool * ctb.kv_budget_fraction) if pool else ctb.policy.rank_token_budget
         self.cfg = ctb
         self.mailbox = mailbox
+        ranks = sorted(ranks)
+        # Each resident task's open session holds one of SGLang's request rows between turns, and a
+        # turn needs a row of its own: keep half the rows for turns so residents never wait on
+        # each other for rows. One scheduling pass may admit many tasks, so the bound is enforced
+        # through the policy's own env-slot constraint (paused tasks hold no session, no row).
+        rows = cfg.rollout.engine.max_running_requests
+        self.max_residents = min(ctb.max_resident_tasks_per_rank, rows // 2) if rows else ctb.max_resident_tasks_per_rank
         policy_cfg = type(ctb.policy)(**{**ctb.policy.__dict__, "max_staleness": sched.max_staleness,
-                                         "trainer_batch_trajectories": sched.groups_per_step * sched.group_size})
+                                         "trainer_batch_trajectories": sched.groups_per_step * sched.group_size,
+                                         "env_concurrency": min(ctb.policy.env_concurrency,
+                                                                self.max_residents * len(ranks))})
         self.policy = HysteresisCTBScheduler(
             policy_cfg, low_water=ctb.low_water, hard_water=ctb.hard_water,
             max_pauses_per_task=ctb.max_pauses_per_task, task_max_turns=cfg.rollout.runner.max_turns,
             protect_final_turns=ctb.protect_final_turns, move_after_s=float("inf"))
-        for rank in sorted(ranks):
+        for rank in ranks:
             self.policy.add_rank(rank, budget)
         self.assignments: dict[str, TaskAssignment] = {}
         self._home: dict[str, int] = {}  # task -> the rank that holds it (running or paused there)
+        self._started_groups: set[str] = set()
+        self.on_group_started = on_group_started or (lambda group_id: None)
+        """Called when CTB admits a group's first task (its admission, for staleness)."""
         self.stats = {"admits": 0, "pauses": 0, "resumes": 0}
 
     def submit(self, assignments: Iterable[TaskAssignment], *, front: bool = False) -> None:
@@ -62,7 +75,7 @@ class CTBPlacement:
 
     def dispatch(self, now: float, unconsumed_trajectories: int = 0) -> None:
         for rank in self.policy.ranks:
-            self.policy.set_accepting(rank, len(self.policy.residents(rank)) < self.cfg.max_resident_tasks_per_rank)
+            self.policy.set_accepting(rank, len(self.policy.residents(rank)) < self.max_residents)
         decisions = self.policy.schedule(now, unconsumed_trajectories=unconsumed_trajectories)
         counts = self.policy.counts()
         if not decisions and counts["queued"] and not counts["running"] and not counts["paused"] \
@@ -79,6 +92,10 @@ class CTBPlacement:
             if isinstance(d, Admit):
                 self.stats["admits"] += 1
                 self._home[tid] = d.rank
+                gid = self.assignments[tid].group_id
+                if gid not in self._started_groups:
+                    self._started_groups.add(gid)
+                    self.on_group_started(gid)
                 self.mailbox.post(d.rank, RunTask(self.assignments[tid], self._tag(tid)))
             elif isinstance(d, Pause):
                 self.stats["pauses"] += 1
@@ -120,6 +137,7 @@ class CTBPlacement:
         members = [tid for tid, a in self.assignments.items() if a.group_id == group_id]
         if all(self.policy.status(t).state is TaskState.FINISHED for t in members):
             self.policy.forget(group_id)
+            self._started_groups.discard(group_id)
             for tid in members:
                 del self.assignments[tid]
 

@@ -123,7 +123,7 @@ class Controller:
         if self.mode.streaming:
             ras, hol, ready = self.rollout.wait(
                 self.rollout.submit(lambda: self.rollout.open_step(sched.groups_per_step),
-                                    when=lambda: self.rollout.buffer.ready_trajectories() > 0),
+                                    when=self.rollout.step_can_open),
                 self.stall_timeout_s * 4, "the first ready group of the step")
             twt = time.perf_counter() - t0
             outcome = self.trainer.train_stream(ready, sched.groups_per_step, ras, tprm, self._stream_into,
@@ -142,8 +142,10 @@ class Controller:
         self.step += 1
         t_sync = time.perf_counter()
         eval_wait_s = self._finish_eval()
-        self.rollout.call(lambda: self.rollout.set_version(self.version))
+        # The weights go out before admission resumes under the new version: a rank reads its
+        # LoadWeights before any task started after it.
         self._push_weights(wait=not self.mode.continuous_rollout)
+        self.rollout.call(lambda: self.rollout.set_version(self.version))
         self._start_eval()
         sync_s = time.perf_counter() - t_sync
         checkpoint_s = self._maybe_checkpoint()

@@ -12,7 +12,7 @@ Single-threaded: only the rollout service thread calls it.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import CancelTask, RunTask, TaskAssignment
@@ -21,7 +21,8 @@ from tide_megatron.comm.messages import CancelTask, RunTask, TaskAssignment
 class RequestPlacement:
     """Queues assignments and posts `RunTask`s while ranks have room."""
 
-    def __init__(self, mailbox: Mailbox, ranks: Iterable[int], max_tasks_per_rank: int):
+    def __init__(self, mailbox: Mailbox, ranks: Iterable[int], max_tasks_per_rank: int,
+                 on_group_started: Optional[Callable[[str], None]] = None):
         if max_tasks_per_rank < 1:
             raise ValueError("scheduler.max_tasks_per_rank must be >= 1")
         self.mailbox = mailbox
@@ -30,6 +31,8 @@ class RequestPlacement:
         self._queue: deque[TaskAssignment] = deque()
         self._where: dict[str, int] = {}
         self._home: dict[str, int] = {}  # group -> the rank its members go to
+        self.on_group_started = on_group_started or (lambda group_id: None)
+        """Called when a group's first task is sent to a rank (its admission, for staleness)."""
         self.stats = {"dispatched": 0}
 
     @property
@@ -54,7 +57,9 @@ class RequestPlacement:
                 if self._load[rank] >= self.max_tasks_per_rank:
                     return
             self._queue.popleft()
-            self._home.setdefault(a.group_id, rank)
+            if a.group_id not in self._home:
+                self._home[a.group_id] = rank
+                self.on_group_started(a.group_id)
             self._where[a.trajectory_id] = rank
             self._load[rank] += 1
             self.stats["dispatched"] += 1

@@ -80,6 +80,7 @@ class RolloutService(threading.Thread):
         self._stream: Optional[tuple[Any, int, Callable[[CompletedGroup], None]]] = None
         self._step_consumed_groups = 0
         self._eval_groups: dict[str, int] = {}  # eval group -> the model version it evaluates
+        placement.on_group_started = self._on_group_started
 
     # ------------------------------------------------------------------ main-thread API
     def call(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
@@ -266,7 +267,9 @@ class RolloutService(threading.Thread):
                 self._start_group()
 
     def _live_training_groups(self) -> int:
-        return sum(1 for members in self._live.values() if not members[0].is_eval)
+        """Training groups started and not yet consumed or ended: running, or ready in the buffer."""
+        running = sum(1 for members in self._live.values() if not members[0].is_eval)
+        return running + len(self.buffer.ready_groups())
 
     def _start_group(self, task: Optional[dict] = None, is_eval: bool = False, prefix: str = "g") -> str:
         task = task or self._rng.choice(self.tasks)
@@ -274,11 +277,15 @@ class RolloutService(threading.Thread):
         self._groups_started += 1
         members = [TaskAssignment(task, gid, i, is_eval) for i in range(self.group_size)]
         self._live[gid] = members
-        self.buffer.open_group(gid, task["task_id"], time.monotonic(), is_eval=is_eval,
-                               admitted_version=None if is_eval else self.version)
+        self.buffer.open_group(gid, task["task_id"], time.monotonic(), is_eval=is_eval)
         self.placement.submit(members, front=is_eval)
         self.counters["groups_started"] += 1
         return gid
+
+    def _on_group_started(self, gid: str) -> None:
+        """The placement sent the group's first task to a rank: it is admitted under this version."""
+        if self.buffer.is_pending(gid) and not self._live[gid][0].is_eval:
+            self.buffer.note_admitted(gid, self.version)
 
     def _end_group(self, gid: str) -> None:
         self._live.pop(gid, None)
@@ -305,6 +312,7 @@ class RolloutService(threading.Thread):
         """New weights are out: later groups are admitted under `version`; groups that can no
         longer be consumed within the bound are cancelled at once (their tokens are wasted)."""
         self.version = version
+        self._step_consumed_groups = 0
         now = time.monotonic()
         for gid in self.buffer.doomed_groups(version):
             self._give_up_group(gid, failed=False, reason=f"stale for version {version}", now=now)
@@ -337,7 +345,7 @@ class RolloutService(threading.Thread):
     def _feed_stream(self) -> None:
         while self._stream is not None and self._stream[1] > 0:
             sink, left, on_group = self._stream
-            taken = self.buffer.fetch(self.version, time.monotonic(), self.group_size)
+            taken = self.buffer.fetch(self.version, time.monotonic(), left * self.group_size, max_groups=1)
             if not taken:
                 return
             self._step_consumed_groups += 1
@@ -345,7 +353,12 @@ class RolloutService(threading.Thread):
             on_group(taken[0])
 
     def batch_ready(self) -> bool:
-        return self.buffer.ready_trajectories() >= self.buffer.config.b_min
+        return self.buffer.fetchable_trajectories(self.version) >= self.buffer.config.b_min
+
+    def step_can_open(self) -> bool:
+        """A streaming step starts once it has a group to train, or one it must wait for."""
+        return self.buffer.fetchable_trajectories(self.version) > 0 or \
+            self.buffer.last_chance_reserve(self.version) > 0
 
     def fetch_batch(self):
         """A whole-batch step starts: (the global batch, RAS, head-of-line age), or None when
@@ -361,10 +374,11 @@ class RolloutService(threading.Thread):
         return batch, ras, hol
 
     def close_step(self):
+        """The step's update is done. Admission stays as the step left it until `set_version`:
+        a group started now would be stamped with the old version though the new weights
+        reach the ranks before its tasks do."""
         self._stream = None
-        readiness = self.buffer.end_step(time.monotonic())
-        self._step_consumed_groups = 0
-        return readiness
+        return self.buffer.end_step(time.monotonic())
 
     # ------------------------------------------------------------------ views
     def ledger_snapshot(self) -> dict[str, int]:

@@ -11,10 +11,15 @@ tokens / wall time since the first dispatch).
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from typing import Any, Optional
 
 from tide_megatron.utils.metrics import MetricsLogger
+
+
+logger = logging.getLogger(__name__)
 
 
 class StepLog:
@@ -32,6 +37,9 @@ class StepLog:
 
     def end_run(self) -> None:
         snapshot = self.rollout.call(self.rollout.ledger_snapshot)
+        fates = self.rollout.call(lambda: Counter(
+            (r.fate.value, r.policy_version, r.consumer_version) for r in self.rollout.buffer.records.values()))
+        logger.info("group fates (fate, policy version, consumer version): %s", dict(sorted(fates.items())))
         self.metrics.write("tokens: " + ", ".join(f"{k} {v}" for k, v in snapshot.items() if v or k == "consumed"))
 
     def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
@@ -72,6 +80,8 @@ class StepLog:
             "ra2p/arrival_wait_s": outcome.arrival_wait_s,
             **{f"ra2p/{k}": v for k, v in report.as_dict().items() if isinstance(v, (int, float))},
             "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
+            "prefix_cache/cached_tokens": cached,
+            "prefix_cache/prompt_tokens": prompt,
             "image_tokens": sum(t.image_tokens for t in trajs),
             "reward/mean": sum(t.reward for t in trajs) / len(trajs),
             "reward/max": max(t.reward for t in trajs),

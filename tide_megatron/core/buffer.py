@@ -271,6 +271,7 @@ class _PendingGroup:
     recorded_tokens: dict[int, int] = field(default_factory=dict)
     """Tokens already put in the ledger for each trajectory index (live progress reports)."""
     oldest_version: Optional[int] = None
+    admitted_version: Optional[int] = None
 
     def note_version(self, version: int) -> None:
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
@@ -315,7 +316,7 @@ class GlobalBuffer:
         if group_id in self._completed_ids or group_id in self.records:
             raise ValueError(f"group {group_id!r} already completed or recorded")
         self._pending[group_id] = _PendingGroup(group_id, task_id, size or self.config.group_size, now, is_eval,
-                                                oldest_version=admitted_version)
+                                                oldest_version=admitted_version, admitted_version=admitted_version)
 
     def record_tokens(self, group_id: Hashable, index: int, tokens: int,
                       policy_version: Optional[int] = None) -> None:
@@ -429,6 +430,14 @@ class GlobalBuffer:
         return [gid for gid, g in self._pending.items()
                 if g.oldest_version is not None and not self.is_fresh(g.oldest_version, consumer_version)]
 
+    def note_admitted(self, group_id: Hashable, version: int) -> None:
+        """The group's first task starts running under `version`: its staleness is judged from
+        here (a group queued behind others is not charged for the wait)."""
+        group = self._require_pending(group_id)
+        if group.admitted_version is None:
+            group.admitted_version = version
+            group.note_version(version)
+
     def group_version(self, group_id: Hashable) -> Optional[int]:
         """Oldest policy version known for a pending group (its admission version if given)."""
         return self._require_pending(group_id).oldest_version
@@ -451,17 +460,38 @@ class GlobalBuffer:
         completion order: a group closer to its bound is consumed before it goes stale."""
         return sorted(self._ready.items(), key=lambda kv: kv[1].policy_version)  # stable: FIFO among equals
 
-    def fetch(self, consumer_version: int, now: float, max_trajectories: int) -> list[CompletedGroup]:
-        """Take whole fresh groups, earliest deadline first, up to `max_trajectories` (streaming fetch)."""
+    def last_chance_reserve(self, consumer_version: int) -> int:
+        """Trajectories of pending training groups whose last chance to be fresh is this consumer.
+
+        A group admitted at version a may train consumers up to a + max_staleness. If younger
+        groups that happen to finish first filled the step, the older group would be doomed:
+        its work wasted though it was admitted within the bound. So a step keeps room for these
+        groups and waits for them (the trainer's wait, instead of rollout's waste)."""
+        bound = self.config.max_staleness
+        return sum(g.size for g in self._pending.values()
+                   if not g.is_eval and g.oldest_version is not None and consumer_version - g.oldest_version == bound)
+
+    def fetch(self, consumer_version: int, now: float, max_trajectories: int,
+              max_groups: Optional[int] = None) -> list[CompletedGroup]:
+        """Take whole fresh groups, earliest deadline first, up to `max_trajectories` (and
+        `max_groups`), leaving room for groups whose last chance this consumer is (streaming fetch)."""
         self.drop_stale(consumer_version, now)
+        reserve = self.last_chance_reserve(consumer_version)
         taken: list[CompletedGroup] = []
         count = 0
         for gid, grp in self._by_deadline():
-            if count + len(grp) > max_trajectories:
+            room = 0 if consumer_version - grp.policy_version == self.config.max_staleness else reserve
+            if count + len(grp) + room > max_trajectories or (max_groups is not None and len(taken) >= max_groups):
                 break  # in order: skipping ahead would let the head group age
             taken.append(self._consume(gid, consumer_version, now))
             count += len(grp)
         return taken
+
+    def fetchable_trajectories(self, consumer_version: int) -> int:
+        """Ready trajectories a fetch for `consumer_version` may take now (fresh ones, minus the
+        room kept for last-chance groups still running)."""
+        fresh = sum(len(g) for g in self._ready.values() if self.is_fresh(g.policy_version, consumer_version))
+        return max(fresh - self.last_chance_reserve(consumer_version), 0) if fresh else 0
 
     def fetch_batch(self, consumer_version: int, now: float) -> Optional[TrainingBatch]:
         """The elastic batch: None until B_min trajectories are ready, else up to B_ideal.
@@ -481,10 +511,12 @@ class GlobalBuffer:
             self._retention_fetches_left = 0
             retaining = False
         remaining_tokens = self.ready_tokens()
+        reserve = self.last_chance_reserve(consumer_version)
         chosen: list[Hashable] = []
         count = 0
         for gid, grp in self._by_deadline():
-            if count + len(grp) > cfg.b_ideal:
+            room = 0 if consumer_version - grp.policy_version == cfg.max_staleness else reserve
+            if count + len(grp) + room > cfg.b_ideal:
                 break
             if retaining and count >= cfg.b_min and remaining_tokens - grp.total_tokens < reservoir:
                 break

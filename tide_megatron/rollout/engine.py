@@ -24,6 +24,8 @@ from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
 
+FLUSH_TIMEOUT_S = 60.0
+
 
 @dataclass
 class RolloutEngineConfig:
@@ -243,7 +245,7 @@ class RolloutEngine:
                 UpdateWeightsFromTensorReqInput(
                     serialized_named_tensors=payload,
                     load_format=None,
-                    flush_cache=True,
+                    flush_cache=False,  # flushed below, once the sessions' requests have drained
                     weight_version=str(version),
                 ),
                 None,
@@ -252,9 +254,15 @@ class RolloutEngine:
             await self._tm.end_weight_update(EndWeightUpdateReqInput(), None)
         if not ok:
             raise RuntimeError(f"SGLang rejected the weight update to version {version}: {message}")
+        # Closing a session frees its request on the scheduler's next pass; the deferred flush
+        # waits for that idle moment (no new turn can start meanwhile: the turn gate is closed).
+        flushed = await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)
+        if not flushed.success:
+            raise RuntimeError(f"weights {version} loaded but SGLang could not flush the old cache within "
+                               f"{FLUSH_TIMEOUT_S:.0f} s: {flushed.message}")
 
-    async def flush_cache(self) -> None:
-        await self._tm.flush_cache()
+    async def flush_cache(self) -> bool:
+        return (await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)).success
 
     def shutdown(self) -> None:
         import multiprocessing

@@ -409,3 +409,21 @@ def test_random_workload_keeps_every_invariant(seed, staleness, retention):
     assert buf.ledger.consumed + buf.ledger.dropped_stale + buf.ledger.failed == buf.ledger.generated
     assert sum(g.generated_tokens for _, g in consumed) == buf.ledger.consumed
     assert consumed, "the workload must exercise consumption"
+
+
+def test_a_step_keeps_room_for_groups_on_their_last_chance():
+    """Younger groups that finish first must not push an older group past its bound."""
+    b = buffer(max_staleness=1, group_size=2, b_min=4, b_ideal=4)
+    b.open_group("old", "t", 0.0, admitted_version=3)          # consumer 4 is its last fresh chance
+    for gid in ("y1", "y2"):
+        b.open_group(gid, "t", 0.0, admitted_version=4)
+        b.add_trajectory(traj(gid, 0, version=4), 1.0)
+        b.add_trajectory(traj(gid, 1, version=4), 1.0)
+    assert b.last_chance_reserve(4) == 2 and b.fetchable_trajectories(4) == 2
+    assert b.fetch_batch(4, 2.0) is None  # only one younger group fits beside the old one: wait
+    taken = b.fetch(4, 2.0, max_trajectories=4)
+    assert [g.group_id for g in taken] == ["y1"]      # the other slot stays reserved
+    b.add_trajectory(traj("old", 0, version=3), 3.0)
+    b.add_trajectory(traj("old", 1, version=3), 3.0)
+    assert [g.group_id for g in b.fetch(4, 4.0, max_trajectories=2)] == ["old"]
+    assert b.records["old"].fate is GroupFate.CONSUMED and b.ledger.wasted == 0
