@@ -11,10 +11,11 @@ Built-in envs (registered by name, configured by `EnvConfig`):
 - any env with `EnvConfig.latency.enabled`: heavy-tailed emulated latency and per-task extra
   turns, deterministic under a seed, emulating remote environments.
 
-Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult), `wire` (message format),
-`config` (typed configs), `server` (EnvServer), `server_process` (EnvServerProcess, the
-embedded server as a subprocess), `client` (EnvClient), `errors`, `registry`, `latency`,
-`door_game`, `textworld_env`.
+Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult, ImageRef), `wire` (message
+format), `config` and `env_config` (typed configs), `server` (EnvServer), `server_process`
+(EnvServerProcess, the embedded server as a subprocess), `client` (EnvClient), `errors`,
+`registry`, `latency`, `images` (image validation), `image_store`, `door_game`,
+`textworld_env`.
 
 Plugging in a remote benchmark env server (WebShop, ALFWorld, OSWorld, ScienceBoard)
 ---------------------------------------------------------------------------------------
@@ -40,8 +41,15 @@ protocol. A benchmark plugs in by standing up a server that speaks it, next to t
    `call_timeout_s` room for the slowest real step, and size CTB's env concurrency to the
    servers' `max_sessions` (the `stats` op reports live sessions).
 
-Multi-modal observations (OSWorld screenshots) travel as base64 strings in `info` under a
-key the task runner's processor understands; `max_message_bytes` bounds a line on both ends.
+Image observations (screenshots)
+--------------------------------
+An env returns PNG/JPEG bytes in a result's `image_data`. The server validates them
+(`images.py`: magic bytes, completeness, decoded size within `ImageLimits`, max bytes),
+writes them to its node-local image store (`image_store.py`, /dev/shm by default) and replies
+with `ImageRef`s (id, path, format, width, height, sha256) in `images`; the client reads each
+back (the file on the same node, the `image` call elsewhere), validates it again and fills
+`image_data`. A bad image raises `EnvImageError`, naming the env and the task: a task failure
+to retry. Text observations are unchanged.
 """
 
 from tide_megatron.envs.client import EnvClient
@@ -51,18 +59,21 @@ from tide_megatron.envs.config import (
     EnvConfig,
     EnvServerConfig,
     EnvServerProcessConfig,
+    ImageLimits,
     LatencyConfig,
     TextWorldConfig,
 )
-from tide_megatron.envs.errors import EnvError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout
-from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
+from tide_megatron.envs.errors import (
+    EnvError, EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout,
+)
+from tide_megatron.envs.protocol import Env, ImageRef, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.registry import build_env, register_env, registered_envs
 from tide_megatron.envs.server import EnvServer
 from tide_megatron.envs.server_process import EnvServerProcess
 
 __all__ = [
-    "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvProtocolError",
-    "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerProcess", "EnvServerProcessConfig",
-    "EnvTimeout", "LatencyConfig", "ResetResult", "StepResult", "TaskSpec", "TextWorldConfig", "build_env",
-    "register_env", "registered_envs",
+    "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvImageError",
+    "EnvProtocolError", "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerProcess",
+    "EnvServerProcessConfig", "EnvTimeout", "ImageLimits", "ImageRef", "LatencyConfig", "ResetResult", "StepResult",
+    "TaskSpec", "TextWorldConfig", "build_env", "register_env", "registered_envs",
 ]

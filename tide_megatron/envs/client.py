@@ -14,23 +14,34 @@ opened before a drop are gone (the server closes a connection's sessions when it
                 break
         await client.close_session(first.session_id)
 
+Image observations: a reset or step result carries `images` (references into the server's
+image store); with `resolve_images` (the default) the client reads each one, from the file
+when it is on this node or through the `image` call otherwise, validates it, checks it is the
+image referenced, and fills the result's `image_data` (encoded bytes, aligned with `images`;
+`images.decode_image` turns one into a PIL image).
+
 Failures raise the typed errors of `tide_megatron.envs.errors`: `EnvServerDown` (cannot
 connect, connect timed out, connection dropped mid-call), `EnvTimeout` (no reply within the
 call's timeout), `EnvProtocolError` (the server sent malformed data), `EnvRemoteError` (the
-server refused the call; `.kind` says why).
+server refused the call; `.kind` says why), `EnvImageError` (an image observation is bad;
+it names the env and the task).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import itertools
 import logging
+import os
 from typing import Any, AsyncIterator
 
 from tide_megatron.envs.config import EnvClientConfig
-from tide_megatron.envs.errors import EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout
-from tide_megatron.envs.protocol import ResetResult, StepResult, TaskSpec
+from tide_megatron.envs.errors import EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout
+from tide_megatron.envs.images import ImageError, check_against_ref, read_image_file
+from tide_megatron.envs.protocol import ImageRef, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.wire import Request, Response, WireError, decode_response, encode_request
 
 logger = logging.getLogger(__name__)
@@ -47,6 +58,9 @@ class EnvClient:
         self._reader_task: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()
+        self._sessions: dict[str, tuple[str, str]] = {}  # session id -> (env, task id), for error messages
+        if cfg.image_transport not in ("auto", "file", "wire"):
+            raise ValueError(f"image_transport must be auto, file or wire, got {cfg.image_transport!r}")
 
     # Connection ----------------------------------------------------------------------------
 
@@ -185,19 +199,84 @@ class EnvClient:
         name = f"reset(env={env}, task={task_id}, trajectory={trajectory_id})"
         if timeout_s is None and self.cfg.reset_timeout_s > 0:
             timeout_s = self.cfg.reset_timeout_s
-        result = await self.call("reset", {"env": env, "task_id": task_id, "trajectory_id": trajectory_id}, name, timeout_s)
+        result = await self._image_call("reset", {"env": env, "task_id": task_id, "trajectory_id": trajectory_id},
+                                        name, timeout_s, env, task_id)
         res = self._parse(name, lambda: ResetResult.from_json(result))
         if not res.session_id:
             raise EnvProtocolError(self.address, name, "reset reply carries no session_id")
+        self._sessions[res.session_id] = (env, task_id)
+        try:
+            res.image_data = await self._resolve_images(res.session_id, res.images, name, timeout_s)
+        except EnvImageError:
+            await self._close_quietly(res.session_id)
+            raise
         return res
 
     async def step(self, session_id: str, action: str, timeout_s: float | None = None) -> StepResult:
-        name = f"step(session={session_id})"
-        result = await self.call("step", {"session_id": session_id, "action": action}, name, timeout_s)
-        return self._parse(name, lambda: StepResult.from_json(result))
+        env, task_id = self._sessions.get(session_id, ("?", "?"))
+        name = self._call_name("step", session_id)
+        result = await self._image_call("step", {"session_id": session_id, "action": action}, name, timeout_s,
+                                        env, task_id)
+        res = self._parse(name, lambda: StepResult.from_json(result))
+        res.image_data = await self._resolve_images(session_id, res.images, name, timeout_s)
+        return res
 
     async def close_session(self, session_id: str, timeout_s: float | None = None) -> None:
-        await self.call("close", {"session_id": session_id}, f"close(session={session_id})", timeout_s)
+        name = self._call_name("close", session_id)
+        self._sessions.pop(session_id, None)
+        await self.call("close", {"session_id": session_id}, name, timeout_s)
+
+    def _call_name(self, op: str, session_id: str) -> str:
+        """`op(env=.., task=.., session=..)` for a session this client opened, else `op(session=..)`."""
+        if session_id in self._sessions:
+            env, task_id = self._sessions[session_id]
+            return f"{op}(env={env}, task={task_id}, session={session_id})"
+        return f"{op}(session={session_id})"
+
+    async def _close_quietly(self, session_id: str) -> None:
+        with contextlib.suppress(EnvServerDown, EnvTimeout, EnvRemoteError, EnvProtocolError):
+            await self.close_session(session_id)
+
+    async def _image_call(self, op: str, args: dict[str, Any], name: str, timeout_s: float | None,
+                          env: str, task_id: str) -> dict[str, Any]:
+        """A reset or step call; the server's refusal of the env's image becomes EnvImageError."""
+        try:
+            return await self.call(op, args, name, timeout_s)
+        except EnvRemoteError as e:
+            if e.kind == "BadImage":
+                raise EnvImageError(self.address, name, env, task_id, e.message) from None
+            raise
+
+    async def _resolve_images(self, session_id: str, refs: list[ImageRef], name: str,
+                              timeout_s: float | None) -> list[bytes]:
+        """Read and check every referenced image (empty when `resolve_images` is off)."""
+        if not refs or not self.cfg.resolve_images:
+            return []
+        env, task_id = self._sessions.get(session_id, ("?", "?"))
+        out = []
+        for ref in refs:
+            try:
+                if self.cfg.image_transport == "wire" or (
+                        self.cfg.image_transport == "auto" and not os.access(ref.path, os.R_OK)):
+                    data = await self._fetch_image(session_id, ref, name, timeout_s)
+                else:
+                    data = await asyncio.to_thread(read_image_file, ref, self.cfg.images)
+            except ImageError as e:
+                raise EnvImageError(self.address, name, env, task_id, str(e)) from None
+            out.append(data)
+        return out
+
+    async def _fetch_image(self, session_id: str, ref: ImageRef, name: str, timeout_s: float | None) -> bytes:
+        result = await self.call("image", {"session_id": session_id, "image_id": ref.id}, f"image({name})", timeout_s)
+        payload = result.get("data_b64")
+        if not isinstance(payload, str):
+            raise ImageError(f"image {ref.id}: the image reply carries no data_b64 string")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ImageError(f"image {ref.id}: data_b64 is not base64 ({e})") from None
+        await asyncio.to_thread(check_against_ref, data, ref, self.cfg.images)
+        return data
 
     @contextlib.asynccontextmanager
     async def session(self, env: str, task_id: str, trajectory_id: str) -> AsyncIterator[ResetResult]:
@@ -206,8 +285,7 @@ class EnvClient:
         try:
             yield first
         finally:
-            with contextlib.suppress(EnvServerDown, EnvTimeout, EnvRemoteError, EnvProtocolError):
-                await self.close_session(first.session_id)
+            await self._close_quietly(first.session_id)
 
     def _parse(self, call_name: str, build):
         try:

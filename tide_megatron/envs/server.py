@@ -11,13 +11,16 @@ Concurrency model:
 - envs marked `blocking` (TextWorld) run on a thread pool, pure-Python ones on the loop;
 - emulated latency is an `asyncio.sleep`, costing no thread;
 - sessions belong to the connection that opened them and close when it drops (a crashed
-  rollout rank leaks nothing), or after `session_idle_timeout_s` without a call.
+  rollout rank leaks nothing), or after `session_idle_timeout_s` without a call;
+- image observations are validated (`images.py`) and written to the node-local image store
+  off the event loop; replies carry references, and a session's images go when it closes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import importlib
 import ipaddress
@@ -25,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -32,7 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tide_megatron.envs.config import EnvConfig, EnvServerConfig, config_from_dict
-from tide_megatron.envs.protocol import Env, TaskSpec
+from tide_megatron.envs.image_store import ImageStore
+from tide_megatron.envs.images import ImageError, validate_image
+from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.registry import build_env
 from tide_megatron.envs.wire import (
     PROTOCOL_VERSION, SERVER_NAME, Request, Response, WireError, decode_request, encode_response,
@@ -96,7 +102,7 @@ class EnvServer:
         self._catalog: dict[str, Env] = {k: build_env(c) for k, c in self._env_cfgs.items()}
         self._task_lists: dict[tuple[str, str], list[TaskSpec]] = {}
         self._sessions: dict[str, Session] = {}
-        self._session_ids = itertools.count(1)
+        self._images: ImageStore | None = None
         self._connection_ids = itertools.count(1)
         self._connections: set[asyncio.Task] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="env-worker")
@@ -110,6 +116,7 @@ class EnvServer:
     # Lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
+        self._images = ImageStore(self.cfg.image_store_dir, self.cfg.images_kept_per_session)
         self._server = await asyncio.start_server(
             self._serve_connection, self.cfg.host, self.cfg.port, limit=self.cfg.max_message_bytes
         )
@@ -131,6 +138,8 @@ class EnvServer:
         for env in self._catalog.values():
             env.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._images is not None:
+            self._images.close()
 
     async def __aenter__(self) -> EnvServer:
         await self.start()
@@ -228,6 +237,8 @@ class EnvServer:
             if session is not None:
                 await self._close_session(session)
             return {}
+        if req.op == "image":
+            return await self._image(_arg(a, "session_id", str), _arg(a, "image_id", str))
         raise CallError("UnknownOp", f"unknown op {req.op!r}")
 
     async def _task_list(self, env_key: str, split: str) -> list[TaskSpec]:
@@ -253,12 +264,14 @@ class EnvServer:
         except KeyError as e:
             raise CallError("UnknownTask", str(e.args[0] if e.args else e)) from None
         env = build_env(cfg)
+        session = Session(f"s-{secrets.token_urlsafe(16)}", env_key, task_id, trajectory_id, env, conn_id)
         try:
             result = await self._call(env, env.reset, task_id, trajectory_id)
+            await self._publish_images(session, result)
         except BaseException:
+            self._images.release(session.session_id)
             await self._call(env, env.close)
             raise
-        session = Session(f"s{next(self._session_ids)}", env_key, task_id, trajectory_id, env, conn_id)
         self._sessions[session.session_id] = session
         self._counts["resets"] += 1
         result.session_id = session.session_id
@@ -276,12 +289,45 @@ class EnvServer:
             session.last_active = time.monotonic()
             result = await self._call(session.env, session.env.step, action)
             session.turns += 1
+            await self._publish_images(session, result)
             session.done = result.done
             self._counts["steps"] += 1
             if result.latency_s > 0:
                 await asyncio.sleep(result.latency_s)
             session.last_active = time.monotonic()
         return result.to_json()
+
+    async def _publish_images(self, session: Session, result: ResetResult | StepResult) -> None:
+        """Validate and store the env's image bytes; the reply then carries references."""
+        if not result.image_data:
+            return
+        data, result.image_data = result.image_data, []
+
+        def publish() -> list:
+            refs = []
+            for i, raw in enumerate(data):
+                try:
+                    info = validate_image(raw, self.cfg.images)
+                except ImageError as e:
+                    raise CallError("BadImage", f"env {session.env_key!r} task {session.task_id!r} turn {session.turns}: "
+                                                f"image {i}: {e}") from None
+                refs.append(self._images.put(session.session_id, raw, info))
+            return refs
+
+        result.images = await asyncio.get_running_loop().run_in_executor(self._executor, publish)
+
+    async def _image(self, session_id: str, image_id: str) -> dict[str, Any]:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise CallError("UnknownSession", f"no session {session_id!r} (closed, timed out, or never opened)")
+        try:
+            ref, data = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._images.read, session_id, image_id)
+        except (KeyError, OSError):
+            raise CallError("BadRequest", f"session {session_id} holds no image {image_id!r} (only the newest "
+                                          f"{self.cfg.images_kept_per_session} are kept)") from None
+        session.last_active = time.monotonic()
+        return {**ref.to_json(), "data_b64": base64.b64encode(data).decode("ascii")}
 
     async def _call(self, env: Env, fn: Callable, *args: Any) -> Any:
         if env.blocking:
@@ -291,6 +337,7 @@ class EnvServer:
     async def _close_session(self, session: Session) -> None:
         if self._sessions.pop(session.session_id, None) is None:
             return
+        self._images.release(session.session_id)
         try:
             await self._call(session.env, session.env.close)
         except Exception:
@@ -308,6 +355,7 @@ class EnvServer:
             per_env[s.env_key] += 1
         return {
             "sessions": len(self._sessions), "max_sessions": self.cfg.max_sessions, "sessions_per_env": per_env,
+            "images": self._images.count() if self._images is not None else 0,
             "uptime_s": time.monotonic() - self._started, **self._counts,
         }
 

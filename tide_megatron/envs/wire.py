@@ -16,6 +16,10 @@ Ops and their args (results are the `to_json` of the protocol dataclasses):
     step   {"session_id", "action"}                    -> StepResult
     close  {"session_id"}                              -> {}
     stats  {}                                          -> {"sessions": n, "max_sessions": m, ...}
+    image  {"session_id", "image_id"}                  -> ImageRef fields + {"data_b64": ...}
+
+Image observations travel by reference (`protocol.ImageRef`): a client on the server's node
+reads the file; `image` is for clients elsewhere and answers only the session's owner.
 
 A remote benchmark server (WebShop, ALFWorld, OSWorld) that speaks this format plugs in
 without any code on the trainer side; see the `tide_megatron.envs` docstring.
@@ -30,12 +34,12 @@ from typing import Any
 PROTOCOL_VERSION = 1
 SERVER_NAME = "tide-env"
 
-OPS = ("ping", "envs", "tasks", "reset", "step", "close", "stats")
+OPS = ("ping", "envs", "tasks", "reset", "step", "close", "stats", "image")
 
 # Error types a server reports; the client raises EnvRemoteError carrying one of these.
 ERROR_TYPES = (
     "BadRequest", "UnknownOp", "UnknownEnv", "UnknownTask", "UnknownSession", "EpisodeDone",
-    "ServerBusy", "EnvFailure",
+    "ServerBusy", "EnvFailure", "BadImage",
 )
 
 

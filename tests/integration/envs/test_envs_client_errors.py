@@ -35,7 +35,7 @@ def test_slow_step_past_timeout_raises_env_timeout():
                 first = await client.reset("door_game", "train/0", "t")
                 with pytest.raises(EnvTimeout) as e:
                     await client.step(first.session_id, "red")
-                assert e.value.timeout_s == 0.3 and f"step(session={first.session_id})" in str(e.value)
+                assert e.value.timeout_s == 0.3 and f"step(env=door_game, task=train/0, session={first.session_id})" in str(e.value)
                 # The connection survives a timeout; other calls still work.
                 assert (await client.ping())["server"] == "tide-env"
     asyncio.run(main())

@@ -68,10 +68,10 @@ def test_every_config_field_has_a_docstring():
     import ast
     import inspect
 
-    from tide_megatron.envs import config as config_module
+    from tide_megatron.envs import config, env_config
 
-    tree = ast.parse(inspect.getsource(config_module))
-    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+    classes = [n for m in (config, env_config) for n in ast.parse(inspect.getsource(m)).body if isinstance(n, ast.ClassDef)]
+    for cls in classes:
         body = cls.body
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign):
