@@ -8,6 +8,10 @@ Built-in envs (registered by name, configured by `EnvConfig`):
 - `door_game`: a small deterministic multi-turn game a tiny random-init model learns with
   GRPO on CPU in minutes (random valid policy ~0.20 mean return, perfect policy 1.0).
 - `textworld`: procedurally generated TextWorld games, offline, generated lazily and cached.
+- `gui_desktop`: an offline GUI desktop drawn with Pillow (Settings, Notes, Files), screenshot
+  observations (224x160 PNG by default) and an optional accessibility tree, text actions
+  (`click x,y`, `type "text"`, `key NAME`, `done`), tasks of 1-3 actions checked on the
+  desktop's state, a shaped reward; a tiny VL model learns it on CPU.
 - any env with `EnvConfig.latency.enabled`: heavy-tailed emulated latency and per-task extra
   turns, deterministic under a seed, emulating remote environments.
 
@@ -15,7 +19,7 @@ Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult, ImageRef), `wire` (
 format), `config` and `env_config` (typed configs), `server` (EnvServer), `server_process`
 (EnvServerProcess, the embedded server as a subprocess), `client` (EnvClient), `errors`,
 `registry`, `latency`, `images` (image validation), `image_store`, `door_game`,
-`textworld_env`.
+`textworld_env`, `gui_desktop` (with `gui_screen` and `gui_actions`).
 
 Plugging in a remote benchmark env server (WebShop, ALFWorld, OSWorld, ScienceBoard)
 ---------------------------------------------------------------------------------------

@@ -90,6 +90,62 @@ class TextWorldConfig:
 
 
 @dataclass
+class GuiDesktopConfig:
+    """The offline GUI desktop (`gui_desktop`): screenshots of a small Pillow-drawn desktop,
+    text actions, a checker that reads the desktop's state. See `gui_desktop.py` for the
+    action format and the reward."""
+
+    seed: int = 0
+    """Seed of the task pool; a task is a pure function of (seed, task id)."""
+
+    width: int = 224
+    """Screenshot width in pixels (the layout scales with it; at least 112)."""
+
+    height: int = 160
+    """Screenshot height in pixels (at least 80)."""
+
+    image_format: str = "png"
+    """`png` (lossless, about 3 KB at 224x160) or `jpeg`."""
+
+    families: list[str] = field(default_factory=lambda: [
+        "open_app", "close_window", "toggle", "write_note", "delete_file"])
+    """Task families drawn from (1 action: open_app, close_window; 1-2: toggle; 3: write_note,
+    delete_file). Keep only the short ones for a first learning test."""
+
+    max_steps: int = 6
+    """Actions before the episode is cut off (done with `info["truncated"] = True`)."""
+
+    auto_done: bool = True
+    """End the episode as a success as soon as the goal holds. Off: the agent must say `done`."""
+
+    a11y_tree: bool = True
+    """Put the accessibility tree (one line per element, with its centre) in `info["a11y_tree"]`."""
+
+    a11y_in_observation: bool = False
+    """Also append the accessibility tree to the observation text (lets a text-only model play)."""
+
+    progress_weight: float = 0.5
+    """Share of the return paid for progress through the task's milestones; the rest is paid
+    on success, so a success is worth 1 before penalties."""
+
+    extra_step_penalty: float = 0.02
+    """Paid for every action beyond the task's shortest solution."""
+
+    malformed_penalty: float = 0.1
+    """Paid for a reply that is not one well-formed action (it still uses up a step)."""
+
+    near_miss_credit: float = 0.1
+    """At most this much, on failure, for how close the best click came to the element the next
+    milestone needed (1 at its centre, 0 half a screen diagonal away)."""
+
+    num_train_tasks: int = 5000
+    """Size of the train task pool."""
+
+    num_eval_tasks: int = 100
+    """Size of the eval task pool."""
+
+
+@dataclass
 class LatencyConfig:
     """Emulated remote-environment latency and turn-count variation, deterministic under `seed`.
 
@@ -143,7 +199,8 @@ class EnvConfig:
     """One environment served by the env server: which built-in env, its options, its latency."""
 
     name: str = "door_game"
-    """Registered env name (`door_game`, `textworld`, or one added with `register_env`)."""
+    """Registered env name (`door_game`, `textworld`, `gui_desktop`, `osworld`, or one added
+    with `register_env`)."""
 
     served_name: str = ""
     """Name clients use to reach it; empty means `name`. Lets one server offer the same env
@@ -154,6 +211,9 @@ class EnvConfig:
 
     textworld: TextWorldConfig = field(default_factory=TextWorldConfig)
     """Options of `textworld`."""
+
+    gui_desktop: GuiDesktopConfig = field(default_factory=GuiDesktopConfig)
+    """Options of `gui_desktop`."""
 
     latency: LatencyConfig = field(default_factory=LatencyConfig)
     """Emulated latency and extra turns (off by default)."""
