@@ -12,6 +12,8 @@ Built-in envs (registered by name, configured by `EnvConfig`):
   observations (224x160 PNG by default) and an optional accessibility tree, text actions
   (`click x,y`, `type "text"`, `key NAME`, `done`), tasks of 1-3 actions checked on the
   desktop's state, a shaped reward; a tiny VL model learns it on CPU.
+- `osworld`: an adapter to OSWorld's VM servers (screenshot, accessibility tree, /execute
+  of pyautogui code); each session leases one VM; see `osworld.py`.
 - any env with `EnvConfig.latency.enabled`: heavy-tailed emulated latency and per-task extra
   turns, deterministic under a seed, emulating remote environments.
 
@@ -19,7 +21,7 @@ Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult, ImageRef), `wire` (
 format), `config` and `env_config` (typed configs), `server` (EnvServer), `server_process`
 (EnvServerProcess, the embedded server as a subprocess), `client` (EnvClient), `errors`,
 `registry`, `latency`, `images` (image validation), `image_store`, `door_game`,
-`textworld_env`, `gui_desktop` (with `gui_screen` and `gui_actions`).
+`textworld_env`, `gui_desktop` (with `gui_screen` and `gui_actions`), `osworld`.
 
 Plugging in a remote benchmark env server (WebShop, ALFWorld, OSWorld, ScienceBoard)
 ---------------------------------------------------------------------------------------

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tide_megatron.envs.env_config import (
-    DoorGameConfig, EnvConfig, GuiDesktopConfig, LatencyConfig, TextWorldConfig, default_cache_dir,
+    DoorGameConfig, EnvConfig, GuiDesktopConfig, LatencyConfig, OSWorldConfig, TextWorldConfig, default_cache_dir,
 )
 
 __all__ = [
     "DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerProcessConfig", "GuiDesktopConfig",
-    "ImageLimits", "LatencyConfig", "TextWorldConfig", "config_from_dict", "config_to_dict", "default_cache_dir",
+    "ImageLimits", "LatencyConfig", "OSWorldConfig", "TextWorldConfig", "config_from_dict", "config_to_dict", "default_cache_dir",
 ]
 
 T = TypeVar("T")

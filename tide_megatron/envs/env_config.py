@@ -146,6 +146,49 @@ class GuiDesktopConfig:
 
 
 @dataclass
+class OSWorldConfig:
+    """The adapter to OSWorld's VM servers (`osworld`); see `osworld.py` for the protocol."""
+
+    vm_urls: list[str] = field(default_factory=list)
+    """Base URLs of the VMs' OSWorld servers (`http://10.0.0.5:5000`). A session holds one VM
+    from reset to close, so the env server's `max_sessions` should not exceed their count."""
+
+    tasks_file: str = ""
+    """JSON file (a list, or one object per line) of tasks: id, split, task_type, instruction,
+    setup steps, check command, infeasible (see `osworld.py`)."""
+
+    action_space: str = "gui_text"
+    """`gui_text` (click x,y / type / key / done, translated to pyautogui) or `pyautogui`
+    (Python code in a fenced block, or DONE / FAIL / WAIT: OSWorld's own action space)."""
+
+    max_steps: int = 15
+    """Actions before the episode is cut off and checked."""
+
+    a11y_tree: bool = True
+    """Fetch the accessibility tree after every action into `info["a11y_tree"]`."""
+
+    a11y_max_chars: int = 20000
+    """The tree is cut to this many characters (OSWorld's trees run to megabytes)."""
+
+    settle_s: float = 2.0
+    """Pause after an action before the screenshot (OSWorld's own default pause)."""
+
+    request_timeout_s: float = 30.0
+    """Time allowed for a screenshot, a11y tree or setup request."""
+
+    execute_timeout_s: float = 150.0
+    """Time allowed for an `/execute` call (the VM server itself stops a command at 120 s)."""
+
+    revert_command: str = ""
+    """Command run on the env server's host before each reset with the VM URL appended, to
+    revert the VM to its snapshot (OSWorld reverts through its VM provider, outside the VM).
+    Empty: no revert (tasks then share the VM's state; their setup must restore it)."""
+
+    revert_timeout_s: float = 300.0
+    """Time allowed for the revert command and for the VM server to answer again after it."""
+
+
+@dataclass
 class LatencyConfig:
     """Emulated remote-environment latency and turn-count variation, deterministic under `seed`.
 
@@ -214,6 +257,9 @@ class EnvConfig:
 
     gui_desktop: GuiDesktopConfig = field(default_factory=GuiDesktopConfig)
     """Options of `gui_desktop`."""
+
+    osworld: OSWorldConfig = field(default_factory=OSWorldConfig)
+    """Options of `osworld`."""
 
     latency: LatencyConfig = field(default_factory=LatencyConfig)
     """Emulated latency and extra turns (off by default)."""

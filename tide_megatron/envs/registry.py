@@ -51,6 +51,12 @@ def _gui_desktop(cfg: EnvConfig) -> Env:
     return GuiDesktopEnv(cfg)
 
 
+def _osworld(cfg: EnvConfig) -> Env:
+    from tide_megatron.envs.osworld import OSWorldEnv
+
+    return OSWorldEnv(cfg)
+
+
 def _textworld(cfg: EnvConfig) -> Env:
     from tide_megatron.envs.textworld_env import TextWorldEnv
 
@@ -60,3 +66,4 @@ def _textworld(cfg: EnvConfig) -> Env:
 register_env("door_game", _door_game)
 register_env("textworld", _textworld)
 register_env("gui_desktop", _gui_desktop)
+register_env("osworld", _osworld)
