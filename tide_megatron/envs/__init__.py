@@ -38,14 +38,29 @@ protocol. A benchmark plugs in by standing up a server that speaks it, next to t
    goal success, OSWorld's evaluator result) with `done`. Set `blocking = True` when calls
    block (a browser, a VM): they then run on the server's worker threads.
 2. `register_env("webshop", factory)` in a small module named in `EnvServerConfig.plugins`
-   (the server imports it first), and run `python -m tide_megatron.envs.server --config-json
-   '{"host": "<env host address>", "allow_remote": true, "plugins": ["my_bench.tide_env"],
-   "envs": [{"name": "webshop"}]}'` on each env host. Or, for a benchmark that already
-   has its own server in another language, answer the seven ops of `wire.py` directly: the
-   client checks every field, so a conforming server needs no Python from this package.
-3. Point the recipe's env client at the fleet (`EnvClientConfig.host/port`), give
-   `call_timeout_s` room for the slowest real step, and size CTB's env concurrency to the
-   servers' `max_sessions` (the `stats` op reports live sessions).
+   (the server imports it first), and run, on each env host,
+   `TIDE_ENV_TOKEN=<shared secret> python -m tide_megatron.envs.server --config-json
+   '{"host": "<env host address>", "plugins": ["my_bench.tide_env"], "envs": [{"name": "webshop"}]}'`
+   (a non-loopback address requires the shared token; clients present it in `hello`). Or,
+   for a benchmark that already has its own server in another language, answer the ops of
+   `wire.py` directly: the client checks every field, so a conforming server needs no
+   Python from this package.
+3. Point the recipe's env client at the fleet (`EnvClientConfig.host/port`, the same token in
+   TIDE_ENV_TOKEN), give `call_timeout_s` room for the slowest real step, and size CTB's env
+   concurrency to the servers' `max_sessions` (the `stats` op reports live sessions).
+
+Server limits and security
+--------------------------
+The server binds loopback by default; another address requires a shared token of at least 16
+characters (`EnvServerConfig.auth_token`, or TIDE_ENV_TOKEN), which authenticates but does not
+encrypt. Sessions belong to the connection that opened them, under unguessable ids. Every
+limit is a documented field of `EnvServerLimits` (connections, sessions per connection, calls
+in flight per connection, request and reply bytes, JSON nesting and number size, read, idle
+and write timeouts, tasks page size); blocking work runs on worker threads that connections
+share in turn. NaN or infinite rewards are refused by the server and by the client, naming
+the env and the task. The client reconnects with exponential backoff; sessions of a lost
+connection are lost (`EnvSessionLost`). `EnvServerProcess.restart()` and its supervisor
+restart an embedded server that died, on the same address.
 
 Image observations (screenshots)
 --------------------------------
@@ -64,13 +79,14 @@ from tide_megatron.envs.config import (
     EnvClientConfig,
     EnvConfig,
     EnvServerConfig,
+    EnvServerLimits,
     EnvServerProcessConfig,
     ImageLimits,
     LatencyConfig,
     TextWorldConfig,
 )
 from tide_megatron.envs.errors import (
-    EnvError, EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout,
+    EnvError, EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvSessionLost, EnvTimeout,
 )
 from tide_megatron.envs.protocol import Env, ImageRef, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.registry import build_env, register_env, registered_envs
@@ -80,6 +96,6 @@ from tide_megatron.envs.server_process import EnvServerProcess
 __all__ = [
     "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvImageError",
     "EnvProtocolError", "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerProcess",
-    "EnvServerProcessConfig", "EnvTimeout", "ImageLimits", "ImageRef", "LatencyConfig", "ResetResult", "StepResult",
+    "EnvServerLimits", "EnvServerProcessConfig", "EnvSessionLost", "EnvTimeout", "ImageLimits", "ImageRef", "LatencyConfig", "ResetResult", "StepResult",
     "TaskSpec", "TextWorldConfig", "build_env", "register_env", "registered_envs",
 ]

@@ -20,8 +20,9 @@ from tide_megatron.envs.env_config import (
 )
 
 __all__ = [
-    "DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerProcessConfig", "GuiDesktopConfig",
-    "ImageLimits", "LatencyConfig", "OSWorldConfig", "TextWorldConfig", "config_from_dict", "config_to_dict", "default_cache_dir",
+    "DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerLimits", "EnvServerProcessConfig",
+    "GuiDesktopConfig", "ImageLimits", "LatencyConfig", "OSWorldConfig", "TOKEN_ENV_VAR", "TextWorldConfig",
+    "config_from_dict", "config_to_dict", "default_cache_dir",
 ]
 
 T = TypeVar("T")
@@ -54,19 +55,82 @@ class ImageLimits:
     decoded, so a decompression bomb is refused without being expanded."""
 
 
+TOKEN_ENV_VAR = "TIDE_ENV_TOKEN"
+"""Environment variable holding the shared token when the config's `auth_token` is empty
+(keeps the token out of config files and command lines)."""
+
+
+@dataclass
+class EnvServerLimits:
+    """What one client can take from the env server. Defaults are sized from the workloads:
+    a rollout rank holds one connection with at most `max_tasks_per_rank` live tasks (16 to 32
+    in the recipes), one call in flight per task; actions are at most a few thousand tokens."""
+
+    max_connections: int = 256
+    """Open connections at most (one per rollout rank and a few tools). A connection past the
+    cap gets one `ServerBusy` error line and is closed; the cap also keeps file descriptors
+    below the process limit (checked, and raised to the hard limit if need be, at start)."""
+
+    max_sessions_per_connection: int = 256
+    """Live sessions one connection may hold: 8x the largest recipe's tasks per rank, and a
+    sixteenth of the default `max_sessions`, so no one client can take every session."""
+
+    max_inflight_per_connection: int = 64
+    """Calls of one connection being served at once; past it the server stops reading that
+    connection (TCP backpressure) until one finishes, so a pipelining client queues at home."""
+
+    max_request_bytes: int = 1024 * 1024
+    """Longest request line. A 4,096-token action is about 16 KB of text and at most 6x that
+    once JSON-escaped; 1 MiB leaves a wide margin. A longer line is answered `TooLarge` and
+    skipped, the connection goes on."""
+
+    max_reply_bytes: int = 24 * 1024 * 1024
+    """Longest reply line; a larger result is answered `TooLarge`. Fits an `image` reply of an
+    image at `ImageLimits.max_bytes` (16 MiB) in base64 (4/3 of it)."""
+
+    max_json_depth: int = 32
+    """Deepest nesting of a request (ours nest 3-6 deep); deeper is answered `BadRequest`."""
+
+    max_number_digits: int = 32
+    """Longest number in a request, in characters (an int64 has 20, a double's repr 24)."""
+
+    read_timeout_s: float = 30.0
+    """A request line must arrive whole within this of its first byte (1 MiB at a slow
+    1 Mbit/s takes 8 s); a half-sent one past it closes the connection."""
+
+    idle_timeout_s: float = 120.0
+    """A connection with no session, no call in flight and no byte for this long is closed
+    (the client reconnects on its next call). Connections holding sessions are never idled
+    out; their sessions are, after `session_idle_timeout_s`."""
+
+    write_timeout_s: float = 60.0
+    """A reply must drain to the client within this; a client that stops reading is dropped."""
+
+    max_tasks_page: int = 1000
+    """Most tasks in one `tasks` reply."""
+
+    max_page_bytes: int = 1024 * 1024
+    """Most bytes of tasks in one `tasks` reply; a page ends before it would pass this."""
+
+    log_interval_s: float = 10.0
+    """Repeated warnings (accept errors, refused connections, timeouts, bad tokens) are logged
+    at most once per this interval each, with a count of those suppressed."""
+
+
 @dataclass
 class EnvServerConfig:
     """The env server process."""
 
     host: str = "127.0.0.1"
-    """Address to bind. Loopback by default; anything else needs `allow_remote`."""
+    """Address to bind. Loopback by default; any other address requires `auth_token`."""
 
     port: int = 0
     """TCP port; 0 lets the OS pick a free one (the server reports it when ready)."""
 
-    allow_remote: bool = False
-    """Allow binding a non-loopback address. The protocol has no authentication: only turn
-    this on inside a trusted network (an env fleet next to the trainer)."""
+    auth_token: str = ""
+    """Shared secret a client must present (`hello`) before any other call; empty: none, or
+    the `TIDE_ENV_TOKEN` environment variable when set. Required off loopback; at least 16
+    characters. It authenticates, it does not encrypt: keep the fleet on a trusted network."""
 
     envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
     """The environments this server offers, by `EnvConfig.key`."""
@@ -82,10 +146,11 @@ class EnvServerConfig:
     """A session that sees no call for this long is closed (its client is presumed gone)."""
 
     num_workers: int = 4
-    """Threads for envs whose calls block (TextWorld); pure-Python ones run on the event loop."""
+    """Threads for blocking work: envs whose calls block (TextWorld, gui_desktop, osworld),
+    image checks, task lists, long requests and large replies. Connections take turns on them."""
 
-    max_message_bytes: int = 16 * 1024 * 1024
-    """Longest accepted request or response line, in bytes."""
+    limits: EnvServerLimits = field(default_factory=EnvServerLimits)
+    """Per-connection and per-message limits."""
 
     images: ImageLimits = field(default_factory=ImageLimits)
     """What an env's image observation may be; a bad one fails the call with `BadImage`."""
@@ -122,8 +187,24 @@ class EnvClientConfig:
     """Time allowed for a reset; 0 means `call_timeout_s`. Resets of generated games (TextWorld's
     first use of a seed compiles a game) take seconds."""
 
-    max_message_bytes: int = 16 * 1024 * 1024
-    """Longest accepted response line, in bytes."""
+    max_message_bytes: int = 32 * 1024 * 1024
+    """Longest accepted response line, in bytes (at least the server's `max_reply_bytes`)."""
+
+    auth_token: str = ""
+    """The server's shared token, sent in `hello` on every new connection; empty: the
+    `TIDE_ENV_TOKEN` environment variable when set, else none."""
+
+    max_retries: int = 5
+    """Reconnection attempts, after the first try, of a call that lost its connection or could
+    not open one (reset, tasks, ping, envs, stats; a step's session dies with its connection,
+    so a step is never retried). With the default backoff they span about 10 to 16 s."""
+
+    backoff_initial_s: float = 0.5
+    """Wait before the first reconnection attempt; it doubles per attempt, times a random
+    factor in [0.5, 1] so that many rollout ranks do not reconnect in lockstep."""
+
+    backoff_max_s: float = 10.0
+    """Longest wait between two attempts."""
 
     resolve_images: bool = True
     """Read and validate every image of a reset or step result before returning it, filling

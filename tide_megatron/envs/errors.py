@@ -19,6 +19,12 @@ class EnvServerDown(EnvError):
     Sessions on that server are to be presumed lost; re-run the task."""
 
 
+class EnvSessionLost(EnvServerDown):
+    """The session's connection dropped (the server died, restarted, or cut the connection),
+    and the session with it: the episode cannot go on. The client reconnects by itself for
+    the next reset; the task is to be re-run."""
+
+
 class EnvTimeout(EnvError):
     """The call did not complete within its timeout. The session may still be live server-side
     (the env was merely slow); the caller decides whether to retry, close or abandon it."""

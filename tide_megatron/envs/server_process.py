@@ -22,7 +22,9 @@ import sys
 import time
 from dataclasses import replace
 
-from tide_megatron.envs.config import EnvClientConfig, EnvServerConfig, EnvServerProcessConfig, config_to_dict
+from tide_megatron.envs.config import (
+    TOKEN_ENV_VAR, EnvClientConfig, EnvServerConfig, EnvServerProcessConfig, config_to_dict,
+)
 from tide_megatron.envs.server import READY_PREFIX
 from tide_megatron.envs.wire import Request, decode_response, encode_request
 
@@ -45,14 +47,20 @@ class EnvServerProcess:
         return self._proc.pid if self._proc is not None else None
 
     def client_config(self, base: EnvClientConfig | None = None) -> EnvClientConfig:
-        """`base` (or the defaults) pointed at this server."""
-        return replace(base or EnvClientConfig(), host=self.host, port=self.port)
+        """`base` (or the defaults) pointed at this server, with its token."""
+        base = base or EnvClientConfig()
+        return replace(base, host=self.host, port=self.port, auth_token=base.auth_token or self.server_cfg.auth_token)
 
     def start(self) -> EnvServerProcess:
         if self._proc is not None:
             raise RuntimeError("env server process already started")
-        cmd = [sys.executable, "-m", "tide_megatron.envs.server", "--config-json", json.dumps(config_to_dict(self.server_cfg)),
-               "--exit-with-parent"]
+        # The token travels in the environment, never on the command line (where `ps` shows it).
+        env = os.environ.copy()
+        data = config_to_dict(self.server_cfg)
+        if data["auth_token"]:
+            env[TOKEN_ENV_VAR] = data["auth_token"]
+            data["auth_token"] = ""
+        cmd = [sys.executable, "-m", "tide_megatron.envs.server", "--config-json", json.dumps(data), "--exit-with-parent"]
         stderr = None
         if self.process_cfg.log_path:
             self._log = open(self.process_cfg.log_path, "ab")
@@ -60,7 +68,7 @@ class EnvServerProcess:
         # New session: a Ctrl-C aimed at the launcher's process group is handled by stop(),
         # in order, instead of hitting the server mid-reply.
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, env=os.environ.copy())
+                                      start_new_session=True, env=env)
         try:
             self._wait_ready()
         except BaseException:
@@ -92,10 +100,13 @@ class EnvServerProcess:
         self._ping(deadline)
 
     def _ping(self, deadline: float) -> None:
-        """One ping over a plain socket: proves the server answers, not just that it bound."""
+        """One ping (a hello when there is a token) over a plain socket: proves the server
+        answers, not just that it bound."""
         left = max(0.1, deadline - time.monotonic())
+        token = self.server_cfg.auth_token or os.environ.get(TOKEN_ENV_VAR, "")
+        req = Request(0, "hello", {"token": token}) if token else Request(0, "ping", {})
         with socket.create_connection((self.host, self.port), timeout=left) as sock:
-            sock.sendall(encode_request(Request(0, "ping", {})))
+            sock.sendall(encode_request(req))
             data = b""
             while not data.endswith(b"\n"):
                 chunk = sock.recv(4096)
