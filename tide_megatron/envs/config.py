@@ -232,6 +232,14 @@ class EnvServerProcessConfig:
     log_path: str = ""
     """File for the server's stderr; empty sends it to this process's stderr."""
 
+    supervise_interval_s: float = 5.0
+    """How often a supervisor thread checks that the server still runs and restarts it on the
+    same address if not; 0: no thread (the launcher may call `ensure_running()` itself)."""
+
+    max_restarts: int = 5
+    """Restarts allowed in the process's life; a server that dies more often needs a person,
+    so supervision then stops and the next env calls fail with `EnvServerDown`."""
+
 
 def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:
     """Build dataclass `cls` from plain data (nested dataclasses and lists of them included).
