@@ -5,7 +5,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 
 import pytest
 
@@ -181,11 +180,10 @@ def test_nan_rewards_are_refused_at_once_naming_env_and_task():
             for action, detail in [("nan", "returned the reward nan"), ("inf", "returned the reward inf"),
                                    ("nan-info", r"NaN or infinity at result.info.score\[1\]")]:
                 first = await c.reset("odd", "t/0", action)
-                t0 = time.monotonic()
+                # An error reply: with no reply at all this would be EnvTimeout after call_timeout_s.
                 with pytest.raises(EnvRemoteError, match=detail) as e:
                     await c.step(first.session_id, action)
                 assert e.value.kind == "EnvFailure" and "env 'odd' task 't/0'" in e.value.message
-                assert time.monotonic() - t0 < 4  # an error reply, not a wait for the call timeout
                 with pytest.raises(EnvRemoteError, match="is done"):
                     await c.step(first.session_id, "ok")
     serve(main)
