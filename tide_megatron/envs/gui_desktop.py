@@ -45,7 +45,7 @@ from tide_megatron.envs.gui_actions import ACTION_HELP, ActionError, Click, Done
 from tide_megatron.envs.gui_screen import APPS, SETTINGS, DesktopState, a11y_tree, find, hit, layout, render
 from tide_megatron.envs.images import encode_image
 from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
-from tide_megatron.envs.task_ids import SPLITS, make_task_id, parse_task_id, stable_seed
+from tide_megatron.envs.task_ids import parse_task_id, pool_task_ids, stable_seed
 
 FAMILIES = ("open_app", "close_window", "toggle", "write_note", "delete_file")
 FILE_POOL = ("report.txt", "photo.png", "budget.xls", "notes.md", "song.mp3", "draft.doc", "todo.txt", "map.pdf")
@@ -165,10 +165,8 @@ class GuiDesktopEnv(Env):
         self._start = self._best = self._best_closeness = self._return = 0.0
 
     def list_tasks(self, split: str) -> list[TaskSpec]:
-        size = {"train": self._cfg.num_train_tasks, "eval": self._cfg.num_eval_tasks}.get(split)
-        if size is None:
-            raise KeyError(f"unknown split {split!r}; splits are {SPLITS}")
-        return [self.task(make_task_id(split, i)) for i in range(size)]
+        pools = {"train": self._cfg.num_train_tasks, "eval": self._cfg.num_eval_tasks}
+        return [self.task(t) for t in pool_task_ids(split, pools)]
 
     def task(self, task_id: str) -> TaskSpec:
         return build_gui_task(self._cfg, self._key, task_id).spec
