@@ -41,6 +41,9 @@ class RunConfig:
     """Continue from the latest checkpoint under `output_dir/checkpoints` (an error if none)."""
     resume_from: str = ""
     """Continue from this checkpoint directory instead (an error if it does not exist)."""
+    verbose: bool = False
+    """Show library logs (Megatron, SGLang, warnings) and every rank's output on the console.
+    Off: they go to `output_dir/logs/rank<N>.log` and the console shows progress and a summary."""
 
 
 @dataclass

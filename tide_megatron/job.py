@@ -18,6 +18,7 @@ from typing import Any
 from tide_megatron.config import JobConfig, check_runnable, validate
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology, close_topology, init_topology
+from tide_megatron.utils.console import say
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,24 @@ class Job:
         self.model_path = self._shared(_MODEL_KEY)
         self.env_host, env_port = self._shared(_ENV_KEY).rsplit(":", 1)
         self.env_port = int(env_port)
+        if self.topo.is_controller:
+            self._say_starting()
+
+    def _say_starting(self) -> None:
+        cfg, topo = self.cfg, self.topo
+        roles = ", ".join(f"{name} {ranks[0]}" if len(ranks) == 1 else f"{name} {ranks[0]}-{ranks[-1]}"
+                          for name, ranks in (("actor", topo.trainer_ranks), ("reference", topo.ref_ranks),
+                                              ("rollout", topo.rollout_ranks)) if ranks)
+        say(f"tide-megatron: run {cfg.run.name!r}, scheduler.mode={cfg.scheduler.mode}, {topo.world_size} ranks "
+            f"({roles}; rank 0 also runs the controller)")
+        model = self.model_path if cfg.model.path else f"random {cfg.model.random_init.num_layers}-layer " \
+            f"h{cfg.model.random_init.hidden_size} model written to {self.model_path}"
+        say(f"model: {model}")
+        where = "external" if cfg.envs.external else \
+            f"started by this run, log {os.path.join(cfg.run.output_dir, 'env_server.log')}"
+        say(f"env server: {cfg.envs.train_env} at {self.env_host}:{self.env_port} ({where})")
+        if not cfg.run.verbose:
+            say(f"library logs: {os.path.join(cfg.run.output_dir, 'logs')} (run.verbose=true shows them here)")
 
     # -- start-up -------------------------------------------------------------------
     def _setup_rank0(self) -> None:
@@ -171,6 +190,10 @@ class Job:
         except BaseException:
             controller.shutdown()  # let the other ranks exit instead of waiting forever
             raise
+        lines = metrics.summary(self.checkpoint_root)
+        metrics.close()  # the progress bar ends before the summary
+        for line in lines:
+            say(line)
 
     def _run_rollout(self) -> None:
         from tide_megatron.envs.client import EnvClient
