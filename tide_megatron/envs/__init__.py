@@ -81,8 +81,10 @@ from tide_megatron.envs.config import (
     EnvServerConfig,
     EnvServerLimits,
     EnvServerProcessConfig,
+    GuiDesktopConfig,
     ImageLimits,
     LatencyConfig,
+    OSWorldConfig,
     TextWorldConfig,
 )
 from tide_megatron.envs.errors import (
@@ -95,7 +97,8 @@ from tide_megatron.envs.server_process import EnvServerProcess
 
 __all__ = [
     "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvImageError",
-    "EnvProtocolError", "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerProcess",
-    "EnvServerLimits", "EnvServerProcessConfig", "EnvSessionLost", "EnvTimeout", "ImageLimits", "ImageRef", "LatencyConfig", "ResetResult", "StepResult",
-    "TaskSpec", "TextWorldConfig", "build_env", "register_env", "registered_envs",
+    "EnvProtocolError", "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerLimits",
+    "EnvServerProcess", "EnvServerProcessConfig", "EnvSessionLost", "EnvTimeout", "GuiDesktopConfig", "ImageLimits",
+    "ImageRef", "LatencyConfig", "OSWorldConfig", "ResetResult", "StepResult", "TaskSpec", "TextWorldConfig",
+    "build_env", "register_env", "registered_envs",
 ]

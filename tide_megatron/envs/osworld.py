@@ -62,7 +62,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from tide_megatron.envs.env_config import EnvConfig, OSWorldConfig
+from tide_megatron.envs.env_config import EnvConfig
 from tide_megatron.envs.gui_actions import ACTION_HELP, ActionError, Done, parse_action, to_pyautogui
 from tide_megatron.envs.images import sniff_format
 from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec

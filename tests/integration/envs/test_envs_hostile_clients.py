@@ -14,7 +14,7 @@ import re
 import pytest
 
 from tide_megatron.envs import (
-    EnvClient, EnvClientConfig, EnvConfig, EnvRemoteError, EnvServerConfig, EnvServerLimits, EnvServerProcess,
+    EnvClient, EnvClientConfig, EnvConfig, EnvServerConfig, EnvServerLimits, EnvServerProcess,
     EnvServerProcessConfig,
 )
 from tide_megatron.envs.config import DoorGameConfig

@@ -1,7 +1,6 @@
 """Image validation, the image store and image references."""
 
 import hashlib
-import io
 import os
 
 import pytest
