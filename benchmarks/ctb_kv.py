@@ -58,7 +58,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def summarize(name: str, trajectories: list, wall_s: float, dispatcher) -> dict:
-    prompt = sum(t.prompt_tokens for t in trajectories)
+    prompt = sum(t.engine_prompt_tokens for t in trajectories)  # context the engine needed over all turns
     cached = sum(t.cached_tokens for t in trajectories)
     generated = sum(t.generated_tokens for t in trajectories)
     ideal_c = ideal_ctx = 0

@@ -62,6 +62,7 @@ class RowModelEngine:
     def __init__(self, kv_tokens: int, rows: int, new_tokens: int = 4):
         self.cfg = SimpleNamespace(max_total_tokens=kv_tokens, max_running_requests=rows)
         self.weight_version = 0
+        self.weight_epoch = 0
         self.rows = rows
         self.new_tokens = new_tokens
         self.session_rows: set[str] = set()
@@ -78,6 +79,11 @@ class RowModelEngine:
     @property
     def rows_used(self) -> int:
         return len(self.session_rows) + self.plain_rows
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        """No weight updates here: a turn needs no guard."""
+        yield
 
     async def open_session(self, capacity_tokens: int) -> str:
         return f"s{next(self._ids)}"
