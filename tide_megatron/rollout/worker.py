@@ -15,16 +15,21 @@ first (a vanished task shows up as lost tokens) and names the second when a run 
 On `LoadWeights` the rank joins the broadcast (in a thread, so running tasks keep going) and
 loads the new weights into its engine, which drains turns, drops stale sessions and flushes
 the cache first (see `engine.py`).
+
+If the engine dies (its scheduler subprocess crashed or was killed), the rank survives: its
+running tasks are reported failed (rank 0 retries them), a new engine starts, the last weights
+it received are loaded into it, and the rank reports ready again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sglang_patches.task_tag import TaskTag
 from tide_megatron.comm import weight_sync
@@ -53,6 +58,9 @@ from tide_megatron.rollout.task_runner import TaskRunnerConfig
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.02
+FAULT_KILL_ENGINE_ENV = "TIDE_FAULT_KILL_ENGINE_AFTER_VERSION"
+"""Test-only fault injector: after loading this weight version, the rank kills its own SGLang
+scheduler (as a crash would), so tests can show the rank and the run survive it."""
 
 
 @dataclass
@@ -76,8 +84,12 @@ class _Task:
 
 class RolloutWorker:
     def __init__(self, rank: int, engine: RolloutEngine, runner_cfg: TaskRunnerConfig, chat: ChatFormat, env,
-                 mailbox: Mailbox, job_group, heartbeat_interval_s: float = 2.0):
+                 mailbox: Mailbox, job_group, heartbeat_interval_s: float = 2.0,
+                 engine_factory: Optional[Callable[[], RolloutEngine]] = None):
         self.rank = rank
+        self._engine_factory = engine_factory
+        self._last_weights: Optional[tuple[weight_sync.WeightManifest, Any]] = None
+        self.engine_restarts = 0
         self.job_group = job_group
         self.engine = engine
         self.mailbox = mailbox
@@ -93,26 +105,56 @@ class RolloutWorker:
         self._env_steps = 0
 
     def run(self) -> None:
-        self.engine.loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
         self._started = time.monotonic()
+        while self.engine.loop.run_until_complete(self._main()) == "engine died":
+            self._restart_engine()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    async def _main(self) -> str:
         cfg = self.engine.cfg
         self.mailbox.post(CONTROLLER, RankReady(engine={"max_total_tokens": cfg.max_total_tokens,
                                                         "max_running_requests": cfg.max_running_requests,
-                                                        "use_sessions": cfg.use_sessions}))
+                                                        "use_sessions": cfg.use_sessions,
+                                                        "restarts": self.engine_restarts}))
         next_beat = 0.0
-        while not self._stopping:
+        while not self._stopping and not self.engine.died:
             for msg in self.mailbox.poll():
                 await self._handle(msg)
+                if self.engine.died:
+                    break
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_interval_s
             await asyncio.sleep(POLL_INTERVAL_S)
+        if self.engine.died:
+            for task in self._tasks.values():  # reported failed: rank 0 retries them
+                task.cancel_reason = "the rollout engine died"
+                if task.job is not None:
+                    task.job.cancel()
         jobs = [t.job for t in self._tasks.values() if t.job is not None]
         if jobs:
             await asyncio.gather(*jobs, return_exceptions=True)
         self._heartbeat()
+        return "engine died" if self.engine.died and not self._stopping else "stopped"
+
+    def _restart_engine(self) -> None:
+        """Replace a dead engine; it gets the last weights this rank received."""
+        if self._engine_factory is None:
+            raise RuntimeError(f"rollout rank {self.rank}: the engine died and no factory can replace it")
+        logger.warning("rollout rank %d: restarting its engine", self.rank)
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("shutting down the dead engine")
+        self.engine = self._engine_factory()
+        self._engines[self.rank] = self.engine
+        self.engine_restarts += 1
+        if self._last_weights is not None:
+            manifest, flat = self._last_weights
+            self.engine.loop.run_until_complete(
+                self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
 
     async def _handle(self, msg) -> None:
         if isinstance(msg, RunTask):
@@ -160,8 +202,12 @@ class RolloutWorker:
             self._env_steps += task.state == "env step"
             self.mailbox.post(CONTROLLER, TrajectoryDone(trajectory))
         except asyncio.CancelledError:
-            await task.handle.release_session(self._engines, even_if_placed=True)
-            self.mailbox.post(CONTROLLER, TaskCancelled(tid, task.generated))
+            if self.engine.died:
+                self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died",
+                                                         generated_tokens=task.generated))
+            else:
+                await task.handle.release_session(self._engines, even_if_placed=True)
+                self.mailbox.post(CONTROLLER, TaskCancelled(tid, task.generated))
         except Exception as exc:  # report, never lose the task silently
             logger.warning("task %s failed on rank %d: %s", tid, self.rank, exc)
             self.mailbox.post(CONTROLLER, TaskFailed(
@@ -190,7 +236,10 @@ class RolloutWorker:
         loop = asyncio.get_running_loop()
         flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
         t0 = time.perf_counter()
+        self._last_weights = (manifest, flat)  # what a replacement engine starts from
         await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+        if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(manifest.version) and not self.engine_restarts:
+            _kill_scheduler()
         busy, idle = self._busy_idle()
         self.mailbox.post(CONTROLLER, WeightsLoaded(manifest.version, broadcast_s=comm_s,
                                                     load_s=time.perf_counter() - t0, busy_s=busy, idle_s=idle))
@@ -226,6 +275,21 @@ class _Listener:
         task.state, task.since = "env step", time.monotonic()
         if task.tag is not None:
             self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
+
+
+def _kill_scheduler() -> None:
+    import multiprocessing
+    import signal
+
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "scheduler" in title:  # SGLang names the process `sglang::scheduler`
+            logger.warning("fault injection: killing SGLang scheduler pid %d", child.pid)
+            os.kill(child.pid, signal.SIGKILL)
 
 
 def build_chat(model_path: str, system_prompt: str | None) -> ChatFormat:
