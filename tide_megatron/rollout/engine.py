@@ -135,8 +135,15 @@ class RolloutEngine:
         # would take the rollout rank (and, under torchrun, the job) with it. Instead the rank
         # is told, fails the engine's tasks (they are retried) and starts a new engine.
         kwargs.setdefault("custom_sigquit_handler", self._child_died)
+        # SGLang reconfigures the root logger (basicConfig(force=True) at its log level): keep
+        # this rank's logging as it was and apply SGLang's level to SGLang's loggers only.
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
         with _without_torchelastic_store():
             self._engine = Engine(**kwargs)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.getLogger("sglang").setLevel(cfg.log_level.upper())
         self.loop: asyncio.AbstractEventLoop = self._engine.loop
         self._tm = self._engine.tokenizer_manager
         # When it first runs, the tokenizer manager installs its own SIGQUIT handler (kill the

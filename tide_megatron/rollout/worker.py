@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from sglang_patches.task_tag import TaskTag
+from tide_megatron.rollout.ctb_carrier import TagFields
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import (
@@ -46,6 +47,7 @@ from tide_megatron.comm.messages import (
     TaskAssignment,
     TaskCancelled,
     TaskFailed,
+    TaskReleased,
     TrajectoryDone,
     TurnEvent,
     WeightsLoaded,
@@ -80,6 +82,8 @@ class _Task:
     since: float = field(default_factory=time.monotonic)
     cancel_reason: Optional[str] = None
     job: Optional[asyncio.Task] = None
+    releasing: Optional[asyncio.Task] = None
+    """A pause's session release under way (a resume waits for it)."""
 
 
 class RolloutWorker:
@@ -160,28 +164,39 @@ class RolloutWorker:
         if isinstance(msg, RunTask):
             self._start(msg.assignment, msg.tag)
         elif isinstance(msg, PauseTask):
-            task = self._tasks.get(msg.task_id)
-            if task is not None and task.handle.rank is not None:
-                task.handle.pause(self._engines)
-                task.state, task.since = "paused", time.monotonic()
+            self._pause(msg.task_id)
         elif isinstance(msg, ResumeTask):
             task = self._tasks.get(msg.task_id)
             if task is not None:
                 task.tag = msg.tag
-                task.handle.place(self.rank)
+                if task.releasing is not None and not task.releasing.done():
+                    task.releasing.add_done_callback(lambda _, h=task.handle: h.place(self.rank))
+                else:
+                    task.handle.place(self.rank)
         elif isinstance(msg, CancelTask):
             task = self._tasks.get(msg.task_id)
-            if task is not None and task.job is not None:
-                task.cancel_reason = msg.reason or "cancelled"
-                task.job.cancel()
-            elif task is None:  # already finished or never here: say so, nothing to stop
+            if task is None:  # already finished or never here: nothing to stop
                 self.mailbox.post(CONTROLLER, TaskCancelled(msg.task_id, 0))
+            else:
+                task.cancel_reason = msg.reason or "cancelled"
+                if task.state != "generating":  # a turn in flight ends first (see _Listener)
+                    task.job.cancel()
         elif isinstance(msg, LoadWeights):
             await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest))
         elif isinstance(msg, Stop):
             self._stopping = True
         else:
             raise ValueError(f"rollout rank {self.rank}: unexpected message {msg!r}")
+
+    def _pause(self, task_id: str) -> None:
+        """No further turn; the session closes once no turn is in flight; then `TaskReleased`."""
+        task = self._tasks.get(task_id)
+        if task is None:  # finished meanwhile: it holds nothing
+            self.mailbox.post(CONTROLLER, TaskReleased(task_id))
+            return
+        task.releasing = task.handle.pause(self._engines)
+        task.state, task.since = "paused", time.monotonic()
+        task.releasing.add_done_callback(lambda _: self.mailbox.post(CONTROLLER, TaskReleased(task_id)))
 
     def _start(self, assignment: TaskAssignment, tag: Optional[dict[str, Any]]) -> None:
         tid = assignment.trajectory_id
@@ -261,11 +276,7 @@ class _Listener:
         if task.tag is None:
             return None
         self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "started", context_tokens))
-        fields = task.tag
-        return TaskTag(kind=kind, task_id=task_id, group_id=task.assignment.group_id,
-                       is_eval=task.assignment.is_eval, priority=float(fields["priority"]),
-                       footprint_tokens=max(int(fields["footprint_tokens"]), context_tokens),
-                       turn_reserve_tokens=int(fields["turn_reserve_tokens"]))
+        return TagFields.from_json(task.tag).task_tag(kind, task.assignment, context_tokens)
 
     def turn_finished(self, task_id: str, context_tokens: int, report: Optional[dict[str, Any]]) -> None:
         task = self.task
@@ -275,6 +286,8 @@ class _Listener:
         task.state, task.since = "env step", time.monotonic()
         if task.tag is not None:
             self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
+        if task.cancel_reason is not None:  # cancelled while this turn generated: stop here
+            raise asyncio.CancelledError(task.cancel_reason)
 
 
 def _kill_scheduler() -> None:
