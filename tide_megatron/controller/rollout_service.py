@@ -379,11 +379,11 @@ class RolloutService(threading.Thread):
             on_group(taken[0])
 
     def batch_ready(self) -> bool:
-        return self.buffer.fetchable_trajectories(self.version) >= self.buffer.config.b_min
+        return self.buffer.batch_available(self.version)
 
     def step_can_open(self) -> bool:
         """A streaming step starts once it has a group to train, or one it must wait for."""
-        return self.buffer.fetchable_trajectories(self.version) > 0 or \
+        return self.buffer.fetchable_trajectories(self.version, self.groups_per_step * self.group_size) > 0 or \
             self.buffer.last_chance_reserve(self.version) > 0
 
     def fetch_batch(self):
@@ -397,6 +397,7 @@ class RolloutService(threading.Thread):
         ras = self.buffer.begin_step(now)
         self._step_started = now
         batch = self.buffer.fetch_batch(self.version, now)
+        assert batch is not None, "batch_available and fetch_batch disagree"
         self._step_consumed_groups = len(batch.groups)
         return batch, ras, hol
 
