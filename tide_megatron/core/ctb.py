@@ -508,7 +508,7 @@ class CTBScheduler:
                 outstanding = unconsumed_trajectories + self._committed_train
                 if outstanding > 0 and (not in_time or (train_cap is not None and outstanding + group.total > train_cap)):
                     continue
-            if group.probe_footprint is None:
+            if group.probe_footprint is None and not (c.probe_only_when_tight and self._fits_unprobed(group, awaited)):
                 candidates = [group.probe] if group.probe in group.queued else []
             else:
                 candidates = list(group.queued)
@@ -539,6 +539,19 @@ class CTBScheduler:
         if group.probe_footprint is not None:
             return max(group.probe_footprint, st.task.prompt_tokens)
         return st.task.prompt_tokens + self.config.probe_turn_reserve_tokens
+
+    def _fits_unprobed(self, group: "_Group", awaited: Iterable[int]) -> bool:
+        """Some rank holds every queued member of the group at the unmeasured estimate."""
+        queued = [self._tasks[t] for t in group.queued]
+        if not queued:
+            return False
+        need = sum(self._estimate(st) for st in queued)
+        for rank, pool in self._ranks.items():
+            slots = math.inf if pool.max_resident is None else pool.max_resident - pool.held
+            if pool.accepting and rank not in awaited and slots >= len(queued) and \
+                    self._used[rank] + self._releasing_tokens[rank] + need <= pool.budget * self.config.low_water:
+                return True
+        return False
 
     def _placeable(self, rank: int, need: int, awaited: Iterable[int] = ()) -> bool:
         """May a task of `need` tokens be placed on `rank` now?

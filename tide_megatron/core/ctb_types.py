@@ -29,6 +29,11 @@ class CTBConfig:
     """Cap outstanding training trajectories at (max_staleness + 1) * trainer_batch_trajectories."""
     probe_turn_reserve_tokens: int = 2048
     """Tokens reserved beyond the prompt for an unmeasured probe's first turn."""
+    probe_only_when_tight: bool = True
+    """Probing exists to avoid over-admitting on a guessed footprint under KV pressure. When a
+    rank can hold the whole group at the unmeasured estimate (prompt + probe reserve per task),
+    its members start with the probe instead of waiting one turn for its measurement. False:
+    always probe first (the paper's rule, as written)."""
     context_norm_tokens: int = 32_768
     """Context length that maps to L_context = 1 (the longest context expected)."""
     w_eval: float = 1000.0
@@ -102,10 +107,11 @@ class CTBConfig:
 
 
 PAPER_RULES = {"low_water": 1.0, "max_pauses_per_task": None, "task_max_turns": None, "move_after_s": 0.0,
-               "deadline_admission": False, "throttle_from_consumption": False, "cancel_doomed": False}
+               "deadline_admission": False, "throttle_from_consumption": False, "cancel_doomed": False,
+               "probe_only_when_tight": False}
 """`CTBConfig` options that reduce the policy to the paper's rules alone: no hysteresis, no
 pause bounds, paused tasks free to move at once (resume-before-admit on every rank), the fixed
-staleness throttle and no deadlines."""
+staleness throttle, no deadlines, and always a probe first."""
 
 
 class TaskState(enum.Enum):

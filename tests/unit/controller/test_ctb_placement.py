@@ -24,7 +24,8 @@ def _placement(pool_tokens: int, probe_reserve: int = 64):
     cfg = JobConfig()
     cfg.rollout.engine.max_total_tokens = pool_tokens
     cfg.ctb = dataclasses.replace(cfg.ctb, prompt_tokens_estimate=100, kv_budget_fraction=1.0,
-                                  policy=dataclasses.replace(cfg.ctb.policy, probe_turn_reserve_tokens=probe_reserve))
+                                  policy=dataclasses.replace(cfg.ctb.policy, probe_turn_reserve_tokens=probe_reserve,
+                                                                     probe_only_when_tight=False))
     store = dist.HashStore()
     return CTBPlacement(cfg, Mailbox(store, 0), [1, 2]), {r: Mailbox(store, r) for r in (1, 2)}
 

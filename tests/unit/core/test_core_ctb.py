@@ -457,3 +457,12 @@ def test_removing_a_rank_drops_its_pending_releases_and_frees_tasks_waiting_for_
     s.on_task_finished("a/0")
     assert {d.task.task_id: d.rank for d in s.schedule(4.0) if isinstance(d, Resume)} == {"b/0": 1}
     assert s.audit() == []
+
+
+def test_a_group_that_fits_unmeasured_starts_whole_and_one_that_does_not_is_probed():
+    roomy = sched(rank_token_budget=10_000, probe_only_when_tight=True)
+    roomy.submit(group("g"))  # 4 x (500 prompt + 500 reserve) = 4,000 of 10,000
+    assert admitted(roomy.schedule(0.0)) == ["g/0", "g/1", "g/2", "g/3"]
+    tight = sched(rank_token_budget=3_000, probe_only_when_tight=True)
+    tight.submit(group("g"))  # 4,000 would not fit: measure the probe's first turn first
+    assert admitted(tight.schedule(0.0)) == ["g/0"]

@@ -21,7 +21,8 @@ def _assignments(group, n, is_eval=False):
 
 def _dispatcher(ranks=2, kv=1000, rows=33, carrier=None, dispatch=None, **policy):
     cfg = CTBDispatchConfig(kv_budget_fraction=1.0, **(dispatch or {}),
-                            policy=CTBConfig(probe_turn_reserve_tokens=50, staleness_throttle=False, **policy))
+                            policy=CTBConfig(**{"probe_turn_reserve_tokens": 50, "staleness_throttle": False,
+                                                       "probe_only_when_tight": False, **policy}))
     carrier = carrier or Recorder()
     d = CTBDispatcher(cfg, carrier, {r: RankResources(kv, rows) for r in range(ranks)})
     carrier.dispatcher = d

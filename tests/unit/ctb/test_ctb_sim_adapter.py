@@ -42,7 +42,8 @@ class FakeCluster:
 def test_doomed_groups_are_handed_to_the_simulator_and_forgotten():
     clock = {"version": 0}
     cancelled = []
-    policy = CTBPolicy(CTBConfig(rank_token_budget=10_000, probe_turn_reserve_tokens=50, max_staleness=1),
+    policy = CTBPolicy(CTBConfig(rank_token_budget=10_000, probe_turn_reserve_tokens=50, max_staleness=1,
+                                 probe_only_when_tight=False),
                        10_000, lambda: 0,
                        clock_fn=lambda now: TrainerClock(clock["version"], 10.0, 10.0 * (clock["version"] + 1)),
                        on_group_cancelled=lambda gid: (cancelled.append(gid), cluster.cancel_group(gid)))
