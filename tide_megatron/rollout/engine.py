@@ -192,6 +192,8 @@ class RolloutEngine:
         """Generate after `input_ids`. With a session, `input_ids` are only the tokens
         appended since the session's previous turn (`previous_rid`). `rid` names the
         request (CTB's task tag rides in it, see `sglang_patches.task_tag`)."""
+        if self.died:
+            raise RuntimeError("the rollout engine died")
         session_params = None
         if session_id is not None:
             session_params = {"id": session_id}
@@ -235,6 +237,9 @@ class RolloutEngine:
     async def close_session(self, session_id: str | None) -> None:
         """Close a session of this engine (closed already, e.g. by a weight update: no-op)."""
         if session_id is None or session_id not in self._sessions:
+            return
+        if self.died:  # its scheduler is gone: nothing would answer
+            self._sessions.discard(session_id)
             return
         from sglang.srt.managers.io_struct import CloseSessionReqInput
 
