@@ -18,6 +18,11 @@ With `--max-restarts N` a failed job is restarted on the same store; with `run.r
 continues from its last good checkpoint (README, "Restartable jobs"). A job that fails ends
 with one line per rank (above) and one summary line here, not torchrun's traceback report.
 
+When the job ends, processes it left behind are stopped: a rank killed mid-run (SIGKILL, the
+OOM killer) cannot stop its helpers, e.g. the spawn Manager that Megatron's checkpoint writer
+starts, and torchrun only signals the process groups of ranks still alive. Every process of
+the job carries `TIDE_LAUNCH_ID` in its environment; what still carries it at the end goes.
+
 Several nodes: use torchrun itself, with its store and process groups on the cluster's private
 network (docs/threat_model.md); this launcher refuses options that span nodes.
 """
@@ -28,6 +33,7 @@ import os
 import signal
 import socket
 import sys
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +43,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
+LAUNCH_ID_ENV = "TIDE_LAUNCH_ID"
 _NODE_OPTIONS = ("standalone", "rdzv_endpoint", "rdzv_conf", "local_addr")
 
 
@@ -84,14 +91,30 @@ def check_one_node(args) -> None:
 
 
 def describe_failures(exc) -> str:
-    """One line for torchrun's ChildFailedError: which ranks ended how."""
+    """One line for torchrun's ChildFailedError: which ranks ended how, first failure first
+    (torchrun stops the others with SIGTERM once one has failed)."""
     parts = []
-    for rank, failure in sorted(exc.failures.items()):
+    for rank, failure in sorted(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
         code = failure.exitcode
         how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
             else f"exit code {code}"
         parts.append(f"rank {rank} ({how})")
-    return "launch/torchrun.py: the job failed: " + ", ".join(parts) + "; each rank's line above says why"
+    return "launch/torchrun.py: the job failed: " + ", then ".join(parts) + "; each rank's line above says why"
+
+
+def reap_leftovers(launch_id: str) -> int:
+    """Kill every process (but this one) whose environment carries `launch_id`; returns how many."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id:
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed
 
 
 def main(argv: list[str]) -> int:
@@ -106,11 +129,16 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     os.environ[CONTROL_LOOPBACK_ENV] = "1"
+    launch_id = os.environ[LAUNCH_ID_ENV] = uuid.uuid4().hex  # fresh: a nested launch reaps its own only
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
         print(describe_failures(exc), file=sys.stderr)
         return 1
+    finally:
+        left = reap_leftovers(launch_id)
+        if left:
+            print(f"launch/torchrun.py: stopped {left} process(es) the job left behind", file=sys.stderr)
     return 0
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -69,8 +72,26 @@ def test_unpatched_store_would_listen_everywhere():
     assert listening(store.port) & {"0.0.0.0", "::"}
 
 
-def test_failures_are_summed_up_in_one_line(tmp_path):
-    failures = {0: ProcessFailure(0, 11, -9, str(tmp_path / "none")), 1: ProcessFailure(1, 12, 1, str(tmp_path / "n"))}
-    line = launcher.describe_failures(ChildFailedError("launch/train.py", failures))
-    assert line == ("launch/torchrun.py: the job failed: rank 0 (killed by SIGKILL), rank 1 (exit code 1); "
+def test_failures_are_summed_up_in_one_line_first_failure_first(tmp_path):
+    first = ProcessFailure(1, 12, 1, str(tmp_path / "none"))
+    stopped = ProcessFailure(0, 11, -15, str(tmp_path / "none"))
+    stopped.timestamp = first.timestamp + 1
+    line = launcher.describe_failures(ChildFailedError("launch/train.py", {0: stopped, 1: first}))
+    assert line == ("launch/torchrun.py: the job failed: rank 1 (exit code 1), then rank 0 (killed by SIGTERM); "
                     "each rank's line above says why")
+
+
+def test_leftovers_of_this_launch_are_reaped_and_nothing_else():
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleep, env={**os.environ, launcher.LAUNCH_ID_ENV: "launch-a"})
+    other = subprocess.Popen(sleep, env={**os.environ, launcher.LAUNCH_ID_ENV: "launch-b"})
+    try:
+        for _ in range(100):  # the child has exec'd once its environment shows the marker
+            if launcher.LAUNCH_ID_ENV in psutil.Process(ours.pid).environ():
+                break
+            time.sleep(0.05)
+        assert launcher.reap_leftovers("launch-a") == 1
+        assert ours.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
