@@ -116,6 +116,31 @@ def test_killed_job_restarts_and_continues_where_it_was(restarted):
     assert listeners and listeners <= {"127.0.0.1", "::1"}, listeners
 
 
+def test_tide_mode_restart_puts_unconsumed_groups_back(tmp_path):
+    """Rollout runs ahead in tide mode: the checkpoint holds ready groups the trainer had not
+    consumed and groups still running; after the restart the ready ones are trained on and
+    the ledger still adds up."""
+    run_dir = tmp_path / "run"
+    proc, listeners = launch(f"run.output_dir={run_dir}", "scheduler.mode=tide", "run.steps=4",
+                             "run.checkpoint_interval=2", "run.resume=auto", *FAST, restarts=1,
+                             env={"TIDE_TEST_KILL_AFTER_STEP": "3"})
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2)" in proc.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    saved = saved_run_state(run_dir, 2)
+    if saved["ledger"]["in_flight"]:
+        assert f"{saved['ledger']['in_flight']} tokens of groups still running at the checkpoint are booked as " \
+               "failed" in proc.stdout
+    last = rows[-1]
+    assert last["ledger/consumed"] == sum(r["consumed_tokens"] for r in rows)  # restored groups included
+    assert last["ledger/generated"] == sum(last[f"ledger/{b}"] for b in ("in_flight", "ready", "consumed",
+                                                                         "dropped_stale", "cancelled", "failed",
+                                                                         "lost", "evaluated"))
+    assert last["ledger/lost"] == 0 and all(r["staleness/max"] <= 1 for r in rows)
+    assert listeners <= {"127.0.0.1", "::1"}, listeners
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(restarted):
     run_dir = restarted[0]
     shard = run_dir / "checkpoints" / "step_000004" / "__0_0.distcp"
