@@ -282,16 +282,9 @@ def _explicit_checkpoint(path: str):
     if os.path.isfile(os.path.join(path, ckpt.LATEST_MARKER)):
         raise ValueError(f"{key} holds checkpoints, expected one of them (e.g. {os.path.join(path, 'step_NNNNNN')})")
     try:
-        manifest = ckpt.verify_checkpoint(path, deep=True)
-        state = ckpt.read_run_state(path)
-        if state is not None:
-            try:
-                RunState.from_json(state)
-            except ValueError as exc:
-                raise ckpt.CheckpointCorrupt(path, f"{ckpt.RUN_STATE} is not a valid run state ({exc})") from None
+        return ckpt.open_resumable(path, RunState.from_json)
     except ckpt.CheckpointCorrupt as exc:
         raise ckpt.CheckpointError(f"{key}: {exc}") from None
-    return ckpt.ResumePoint(path, manifest["step"], state)
 
 
 def _check_model_dir(model_path: str) -> None:

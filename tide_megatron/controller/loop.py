@@ -27,10 +27,10 @@ from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import Stop
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
+from tide_megatron.controller import run_state
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
-from tide_megatron.controller import run_state
 from tide_megatron.controller.rollout_service import RolloutService, RunError
 from tide_megatron.controller.step_log import StepLog
 from tide_megatron.controller.trainer_rank import TrainerRank

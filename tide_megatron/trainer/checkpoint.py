@@ -207,6 +207,25 @@ def _candidates(root: str, notes: list[str]) -> list[str]:
     return [os.path.join(root, d) for d in dirs if step_of(d) <= bound]
 
 
+def open_resumable(path: str | os.PathLike,
+                   check_run_state: Optional[Callable[[dict[str, Any]], Any]] = None) -> ResumePoint:
+    """Checkpoint `path` as a ResumePoint, after `verify_checkpoint(deep=True)` and, if it was
+    saved with a run state, `check_run_state` (which raises ValueError on a bad one).
+    CheckpointCorrupt naming what is wrong otherwise."""
+    path = os.fspath(path)
+    manifest = verify_checkpoint(path, deep=True)
+    step = manifest["step"]
+    if step_of(path) is not None and step != step_of(path):
+        raise CheckpointCorrupt(path, f"{MANIFEST} is of step {step}, not of {os.path.basename(path)}")
+    state = read_run_state(path)
+    if state is not None and check_run_state is not None:
+        try:
+            check_run_state(state)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CheckpointCorrupt(path, f"{RUN_STATE} is not a valid run state ({exc})") from None
+    return ResumePoint(path, step, state)
+
+
 def find_resumable(root: str | os.PathLike,
                    check_run_state: Optional[Callable[[dict[str, Any]], Any]] = None) -> Optional[ResumePoint]:
     """The newest checkpoint under `root` that passes `verify_checkpoint(deep=True)` and whose run
@@ -223,22 +242,12 @@ def find_resumable(root: str | os.PathLike,
     skipped: list[CheckpointCorrupt] = []
     for path in _candidates(root, notes):
         try:
-            manifest = verify_checkpoint(path, deep=True)
-            step = manifest["step"]
-            if step != step_of(path):
-                raise CheckpointCorrupt(path, f"{MANIFEST} is of step {step}, not of {os.path.basename(path)}")
-            state = read_run_state(path)
-            if state is not None and check_run_state is not None:
-                try:
-                    check_run_state(state)
-                except (ValueError, TypeError, KeyError) as exc:
-                    raise CheckpointCorrupt(path, f"{RUN_STATE} is not a valid run state ({exc})") from None
+            point = open_resumable(path, check_run_state)
         except CheckpointCorrupt as exc:
             skipped.append(exc)
             continue
-        name = os.path.basename(path)
-        notes += [f"{exc}; falling back to {name}" for exc in skipped]
-        return ResumePoint(path, step, state, notes)
+        point.notes = notes + [f"{exc}; falling back to {os.path.basename(path)}" for exc in skipped]
+        return point
     corrupt = [exc for exc in skipped if not exc.incomplete]
     if corrupt:
         raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(
