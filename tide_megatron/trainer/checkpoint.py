@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -294,10 +295,10 @@ def save_checkpoint(actor: "MegatronActor", root: str | os.PathLike,
     path = os.path.join(root, step_dir_name(actor.step))
     rank = _rank()
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        for stale in (MANIFEST, RUN_STATE):  # an older save into this directory no longer vouches for it
-            if os.path.exists(os.path.join(path, stale)):
-                os.remove(os.path.join(path, stale))
+        # What an older save left here (a run that fell back past this step, or an earlier run
+        # in this output directory) would be listed in the new manifest: start empty.
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
     _barrier()
     dist_checkpointing.save(_sharded_state_dict(actor, is_loading=False), path)
     _barrier()
