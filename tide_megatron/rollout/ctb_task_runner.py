@@ -202,6 +202,10 @@ class CTBTaskRunner:
                     t0 = time.monotonic()
                     gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params)
                     ep.generate_s += time.monotonic() - t0
+            # SGLang's own per-request weight version, if it names one, cross-checks ours: a turn
+            # that (against the turn gate) straddled an update is booked under the older one.
+            if gen.weight_version is not None and str(gen.weight_version).isdigit():
+                version = min(version, int(gen.weight_version))
             ep.turns += 1
             ep.prompt_tokens += gen.prompt_tokens
             ep.cached_tokens += gen.cached_tokens

@@ -136,6 +136,16 @@ def _wants_file_rendezvous(engine_kwargs: dict[str, Any]) -> bool:
                 or os.environ.get(DIST_INIT_OVERRIDE_ENV))
 
 
+def _signal_handler_class(engine: "RolloutEngine"):
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+    class RankSignalHandler(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            engine._child_died(signum, frame)
+
+    return RankSignalHandler
+
+
 class RolloutEngine:
     """An SGLang engine serving one rollout rank."""
 
@@ -144,7 +154,17 @@ class RolloutEngine:
 
         self.cfg = cfg
         self.model_path = model_path
+        self.died = False
+        """A subprocess of the engine (its scheduler) died; the engine must be replaced."""
         kwargs = cfg.engine_kwargs(model_path)
+        # SGLang's default answer to a dead scheduler is to kill this whole process tree, which
+        # would take the rollout rank (and, under torchrun, the job) with it. Instead the rank
+        # is told, fails the engine's tasks (they are retried) and starts a new engine.
+        kwargs.setdefault("custom_sigquit_handler", self._child_died)
+        # SGLang reconfigures the root logger (basicConfig(force=True) at its log level): keep
+        # this rank's logging as it was and apply SGLang's level to SGLang's loggers only.
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
         # Private to this user (0700): the FileStore is the engine's rendezvous, no TCP port.
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tide-sglang-") if _wants_file_rendezvous(kwargs) else None
         try:
@@ -154,8 +174,14 @@ class RolloutEngine:
             if self._rendezvous_dir is not None:
                 shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             raise
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.getLogger("sglang").setLevel(cfg.log_level.upper())
         self.loop: asyncio.AbstractEventLoop = self._engine.loop
         self._tm = self._engine.tokenizer_manager
+        # When it first runs, the tokenizer manager installs its own SIGQUIT handler (kill the
+        # process tree); give it one that reports to this engine instead.
+        self._tm.signal_handler_class = _signal_handler_class(self)
         self.weight_version = 0
         self.weight_epoch = 0
         """Counts weight loads: a session opened in an older epoch holds stale KV."""
@@ -165,6 +191,10 @@ class RolloutEngine:
         self._active_turns = 0
         self._no_turns = asyncio.Event()
         self._no_turns.set()
+
+    def _child_died(self, signum, frame) -> None:
+        logger.error("an SGLang subprocess of this rollout rank died; the engine will be replaced")
+        self.died = True
 
     @contextlib.asynccontextmanager
     async def turn(self):
@@ -301,8 +331,12 @@ class RolloutEngine:
     def shutdown(self) -> None:
         import multiprocessing
 
-        self._engine.shutdown()
-        for child in multiprocessing.active_children():  # reap the scheduler zombies
-            child.join(timeout=1)
-        if self._rendezvous_dir is not None:
-            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+        try:
+            self._engine.shutdown()
+        finally:
+            for child in multiprocessing.active_children():  # reap the scheduler zombies
+                if self.died:
+                    child.kill()  # a dead engine's other subprocesses go too
+                child.join(timeout=1)
+            if self._rendezvous_dir is not None:
+                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

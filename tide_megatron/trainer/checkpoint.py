@@ -154,7 +154,8 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True) -> dict[str, A
         if size != entry["bytes"]:
             raise CheckpointCorrupt(path, f"file {rel} has {size} bytes, {MANIFEST} says {entry['bytes']}")
         if (deep or rel == ".metadata" or size <= SHALLOW_HASH_LIMIT) and _sha256(full) != entry["sha256"]:
-            raise CheckpointCorrupt(path, f"file {rel} does not match its sha256 in {MANIFEST} (changed after the save)")
+            raise CheckpointCorrupt(path, f"file {rel} does not match its sha256 in {MANIFEST} "
+                                          "(changed after the save)")
     return manifest
 
 

@@ -1,6 +1,6 @@
 """A test-only fault injector: kill rank 0 right after a given step is logged.
 
-    TIDE_TEST_KILL_AFTER_STEP=3 python launch/torchrun.py --max-restarts 1 ... run.resume=auto
+    TIDE_FAULT_KILL_RANK0_AFTER_STEP=3 python launch/torchrun.py --max-restarts 1 ... run.resume=auto
 
 makes rank 0 SIGKILL itself once step 3's metrics line is written, in the first attempt of a
 torchrun job only (`TORCHELASTIC_RESTART_COUNT` unset or 0), so the restarted attempt runs on.
@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 
-KILL_AFTER_STEP_ENV = "TIDE_TEST_KILL_AFTER_STEP"
+KILL_AFTER_STEP_ENV = "TIDE_FAULT_KILL_RANK0_AFTER_STEP"
 
 logger = logging.getLogger(__name__)
 

@@ -89,7 +89,7 @@ def saved_run_state(run_dir: Path, step: int) -> dict:
 def restarted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     proc, listeners = launch(f"run.output_dir={run_dir}", "run.steps=4", "run.checkpoint_interval=2",
-                             "run.resume=auto", *FAST, restarts=1, env={"TIDE_TEST_KILL_AFTER_STEP": "3"})
+                             "run.resume=auto", *FAST, restarts=1, env={"TIDE_FAULT_KILL_RANK0_AFTER_STEP": "3"})
     assert proc.returncode == 0, proc.stderr[-8000:]
     return run_dir, proc, listeners
 
@@ -97,7 +97,7 @@ def restarted(tmp_path_factory):
 def test_killed_job_restarts_and_continues_where_it_was(restarted):
     run_dir, proc, listeners = restarted
     output = proc.stdout + proc.stderr
-    assert "TIDE_TEST_KILL_AFTER_STEP=3: killing this process" in output  # the first attempt did die
+    assert "TIDE_FAULT_KILL_RANK0_AFTER_STEP=3: killing this process" in output  # the first attempt did die
     assert "run.resume=auto: no checkpoint under" in output  # the first attempt started fresh
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2)" in output
     rows = metrics(run_dir)
@@ -123,7 +123,7 @@ def test_tide_mode_restart_puts_unconsumed_groups_back(tmp_path):
     run_dir = tmp_path / "run"
     proc, listeners = launch(f"run.output_dir={run_dir}", "scheduler.mode=tide", "run.steps=4",
                              "run.checkpoint_interval=2", "run.resume=auto", *FAST, restarts=1,
-                             env={"TIDE_TEST_KILL_AFTER_STEP": "3"})
+                             env={"TIDE_FAULT_KILL_RANK0_AFTER_STEP": "3"})
     assert proc.returncode == 0, proc.stderr[-8000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2)" in proc.stdout
     rows = metrics(run_dir)

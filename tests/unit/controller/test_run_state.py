@@ -107,7 +107,8 @@ def test_round_trip_continues_where_the_run_was(captured):
     ledger = svc.buffer.ledger
     assert ledger.balanced and svc.buffer.audit() == []
     # The half-finished group died with the job: its tokens are failed, nothing else moved.
-    assert (ledger.in_flight, ledger.failed, ledger.consumed) == (0, state.ledger["failed"] + 4, state.ledger["consumed"])
+    assert (ledger.in_flight, ledger.failed, ledger.consumed) == (0, state.ledger["failed"] + 4,
+                                                                  state.ledger["consumed"])
     assert ledger.generated == state.ledger["generated"]
     assert {g.group_id: [(t.index, t.advantage, t.generated_tokens) for t in g.trajectories]
             for g in svc.buffer.ready_groups()} == old_ready
