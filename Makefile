@@ -12,7 +12,7 @@ setup:
 
 # The tiny CPU recipe end to end: random tiny Qwen2 model, real SGLang + Megatron-core, 2 ranks.
 tiny: setup
-	$(PY) -m torch.distributed.run --nproc-per-node 2 launch/train.py +recipe=tiny_cpu
+	$(PY) launch/torchrun.py --nproc-per-node 2 launch/train.py +recipe=tiny_cpu
 
 # Every test tier that runs here (GPU tests skip with a reason when CUDA is absent).
 test: setup

@@ -71,7 +71,7 @@ def run_one(cfg: dict, args, out_dir: Path) -> dict:
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
                  f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={args.seed}", *LATENCY,
                  *args.overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
     started = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,

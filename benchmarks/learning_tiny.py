@@ -36,7 +36,7 @@ def run(mode: str, args) -> dict:
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     overrides = DEFAULTS + [f"scheduler.mode={mode}", f"run.steps={args.steps}", f"run.output_dir={out_dir}",
                             f"run.name=learning_tiny_{mode}", *args.overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
            str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", *overrides]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -19,6 +19,7 @@ from tide_megatron.rollout.task_runner import TaskRunnerConfig
 from tide_megatron.trainer.config import TrainerConfig
 
 SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")
+RESUME_MODES = ("auto", "true", "false")
 RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
 
 
@@ -36,13 +37,24 @@ class RunConfig:
     """Metrics, checkpoints and the resolved config. Written by rank 0 only."""
     checkpoint_interval: int = 0
     """Save a Megatron dist checkpoint every this many steps (0: only at the end)."""
-    resume: bool = False
-    """Continue from the latest checkpoint under `output_dir/checkpoints` (an error if none)."""
+    resume: str = "false"
+    """`auto`: continue from the newest good checkpoint under `output_dir/checkpoints` if there
+    is one, else start fresh (else from `resume_from`, if set): the setting for restartable jobs
+    (`torchrun --max-restarts N ... run.resume=auto`). `true`: continue from it, an error if
+    there is none. `false`: start fresh. A corrupt newest checkpoint (its files differ from its
+    manifest, or its run state is bad) falls back to the one before, with a line saying why."""
     resume_from: str = ""
-    """Continue from this checkpoint directory instead (an error if it does not exist)."""
+    """Continue from this checkpoint directory (a `step_NNNNNN` directory; an error if it is
+    missing or corrupt). With `resume=auto` it is used only while the run has no checkpoint of
+    its own, so a restarted job continues from its own progress."""
     verbose: bool = False
     """Show library logs (Megatron, SGLang, warnings) and every rank's output on the console.
     Off: they go to `output_dir/logs/rank<N>.log` and the console shows progress and a summary."""
+
+    @property
+    def resume_mode(self) -> str:
+        """`resume` normalised: `auto`, `true` or `false` (Hydra hands `run.resume=true` over as "True")."""
+        return str(self.resume).strip().lower()
 
 
 @dataclass
@@ -207,6 +219,9 @@ class JobConfig:
 
 def validate(cfg: JobConfig, world_size: int) -> None:
     """Checks that need more than one field; raises ValueError naming the keys."""
+    if cfg.run.resume_mode not in RESUME_MODES:
+        raise ValueError(f"run.resume={cfg.run.resume!r}: expected one of {RESUME_MODES} "
+                         "(auto: continue from the newest checkpoint if there is one, else start fresh)")
     if cfg.scheduler.mode not in SCHEDULER_MODES:
         raise ValueError(f"scheduler.mode={cfg.scheduler.mode!r}: expected one of {SCHEDULER_MODES}")
     trainers = world_size - cfg.cluster.rollout_ranks - cfg.cluster.ref_ranks

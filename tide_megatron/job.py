@@ -19,12 +19,14 @@ from tide_megatron.config import JobConfig, check_runnable, validate
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology, close_topology, init_topology
 from tide_megatron.utils.console import say
+from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV
 
 logger = logging.getLogger(__name__)
 
 _MODEL_KEY = "job/model_path"
 _ENV_KEY = "job/env_address"
 _ERROR_KEY = "job/setup_error"
+_RESUME_KEY = "job/resume_path"
 
 
 class Job:
@@ -38,9 +40,11 @@ class Job:
         self.mailbox = Mailbox(self.topo.store, self.topo.rank)
         self._env_server = None
         self._closers: list[Any] = []
+        self._resume = None  # rank 0: the checkpoint chosen to resume from (a ResumePoint), if any
         if self.topo.is_controller:
             self._setup_rank0()
         self.model_path = self._shared(_MODEL_KEY)
+        self.resume_path = self._shared(_RESUME_KEY)  # "" when the run starts fresh
         self.env_host, env_port = self._shared(_ENV_KEY).rsplit(":", 1)
         self.env_port = int(env_port)
         if self.topo.is_controller:
@@ -61,6 +65,11 @@ class Job:
         say(f"env server: {cfg.envs.train_env} at {self.env_host}:{self.env_port} ({where})")
         if not cfg.run.verbose:
             say(f"library logs: {os.path.join(cfg.run.output_dir, 'logs')} (run.verbose=true shows them here)")
+        one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(topo.world_size)
+        if one_node and os.environ.get(CONTROL_LOOPBACK_ENV) != "1":
+            logger.warning("the torchrun store that carries this job's control messages listens on every network "
+                           "interface, unauthenticated; on one node start with `python launch/torchrun.py` "
+                           "(loopback only), see docs/threat_model.md")
 
     # -- start-up -------------------------------------------------------------------
     def _setup_rank0(self) -> None:
@@ -69,15 +78,15 @@ class Job:
             os.makedirs(cfg.run.output_dir, exist_ok=True)
             with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
                 json.dump(dataclasses.asdict(cfg), f, indent=2)
-            self._check_resume_path()
+            self._resume = resolve_resume(cfg.run, self.checkpoint_root)
             model_path = cfg.model.path or self._write_random_checkpoint()
-            if not os.path.isfile(os.path.join(model_path, "config.json")):
-                raise FileNotFoundError(f"model.path={model_path!r} holds no Hugging Face config.json")
+            _check_model_dir(model_path)
             address = self._start_env_server()
         except BaseException as exc:
             # Tell the waiting ranks why, instead of letting them time out.
             self.topo.store.set(_ERROR_KEY, f"{type(exc).__name__}: {exc}")
             raise
+        self.topo.store.set(_RESUME_KEY, self._resume.path if self._resume else "")
         self.topo.store.set(_MODEL_KEY, model_path)
         self.topo.store.set(_ENV_KEY, address)
 
@@ -91,14 +100,11 @@ class Job:
 
             time.sleep(0.05)
 
-    def _check_resume_path(self) -> None:
-        from tide_megatron.trainer.checkpoint import latest_checkpoint
-
-        run = self.cfg.run
-        if run.resume_from and not os.path.isdir(run.resume_from):
-            raise FileNotFoundError(f"run.resume_from={run.resume_from!r} does not exist")
-        if run.resume and not run.resume_from:
-            latest_checkpoint(self.checkpoint_root)  # raises, naming the path, when there is none
+    @property
+    def continues_earlier_run(self) -> bool:
+        """This run continues an earlier one in `output_dir` (or may: `auto` with nothing saved
+        yet is the restart of a job that died before its first checkpoint)."""
+        return self.cfg.run.resume_mode != "false" or bool(self.cfg.run.resume_from)
 
     @property
     def checkpoint_root(self) -> str:
@@ -164,9 +170,7 @@ class Job:
         trainer = TrainerRank(self.cfg.trainer, self.model_path, self.topo.rank, self.checkpoint_root,
                               self.topo.job_group)
         run = self.cfg.run
-        start_step = 0
-        if run.resume or run.resume_from:
-            start_step = trainer.load(run.resume_from or None)
+        start_step = trainer.load(self.resume_path) if self.resume_path else 0
         if not self.topo.is_controller:
             trainer.serve(self.mailbox)
             return
@@ -174,13 +178,15 @@ class Job:
         from tide_megatron.utils.metrics import MetricsLogger
 
         metrics = MetricsLogger(run.output_dir, run.steps, start_step, jsonl=self.cfg.metrics.jsonl,
-                                tensorboard=self.cfg.metrics.tensorboard, progress=self.cfg.metrics.progress)
+                                tensorboard=self.cfg.metrics.tensorboard, progress=self.cfg.metrics.progress,
+                                resume_step=start_step if self.continues_earlier_run else None)
         self._closers.append(metrics)
         if start_step:
             metrics.write(f"resumed from step {start_step}")
         eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
         controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step,
                                 eval_tasks=eval_tasks)
+        self._restore_run_state(controller)
         try:
             controller.run()
         except BaseException:
@@ -190,6 +196,17 @@ class Job:
         metrics.close()  # the progress bar ends before the summary
         for line in lines:
             say(line)
+
+    def _restore_run_state(self, controller) -> None:
+        from tide_megatron.controller import run_state
+
+        if self._resume is None:
+            return
+        if self._resume.run_state is None:
+            say(f"{self._resume.path} holds no run state: the task sampler and the token ledger start afresh")
+            return
+        for note in run_state.restore(controller, run_state.RunState.from_json(self._resume.run_state)):
+            say(note)
 
     def _run_rollout(self) -> None:
         from tide_megatron.envs.client import EnvClient
@@ -225,3 +242,72 @@ class Job:
         if self._env_server is not None:
             self._env_server.stop()
         close_topology(self.topo)
+
+
+def resolve_resume(run, checkpoint_root: str):
+    """The verified checkpoint a run continues from (a `ResumePoint`), or None to start fresh.
+
+    `run.resume=auto|true`: the newest good checkpoint under `checkpoint_root`, falling back
+    past corrupt ones (one line each, on the console); `true` fails when there is none.
+    `run.resume_from`: one directory, checked, no fallback; `auto` uses it only while the run
+    has no checkpoint of its own (a restarted job continues from its own progress)."""
+    from tide_megatron.controller.run_state import RunState
+    from tide_megatron.trainer import checkpoint as ckpt
+
+    mode = run.resume_mode
+    point = None
+    if run.resume_from and mode != "auto":
+        point = _explicit_checkpoint(run.resume_from)
+    elif mode in ("auto", "true"):
+        point = ckpt.find_resumable(checkpoint_root, RunState.from_json)
+        if point is None and run.resume_from:
+            point = _explicit_checkpoint(run.resume_from)
+        elif point is None and mode == "true":
+            raise FileNotFoundError(f"run.resume=true: no checkpoint to resume under {checkpoint_root} "
+                                    "(run.resume=auto starts fresh when there is none)")
+        elif point is None:
+            say(f"run.resume=auto: no checkpoint under {checkpoint_root} yet, starting fresh")
+    if point is not None:
+        for note in point.notes:
+            say(note)
+        say(f"resuming from {point.path} (step {point.step})")
+    return point
+
+
+def _explicit_checkpoint(path: str):
+    """`run.resume_from`: one checkpoint directory, verified (no fallback: the user chose it)."""
+    from tide_megatron.controller.run_state import RunState
+    from tide_megatron.trainer import checkpoint as ckpt
+
+    key = f"run.resume_from={path!r}"
+    if os.path.isfile(path):
+        raise ValueError(f"{key} is a file, expected a checkpoint directory (a step_NNNNNN directory)")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{key} does not exist")
+    if os.path.isfile(os.path.join(path, ckpt.LATEST_MARKER)):
+        raise ValueError(f"{key} holds checkpoints, expected one of them (e.g. {os.path.join(path, 'step_NNNNNN')})")
+    try:
+        return ckpt.open_resumable(path, RunState.from_json)
+    except ckpt.CheckpointCorrupt as exc:
+        raise ckpt.CheckpointError(f"{key}: {exc}") from None
+
+
+def _check_model_dir(model_path: str) -> None:
+    """A Hugging Face model directory with a readable config.json, or one line saying what is wrong."""
+    key = f"model.path={model_path!r}"
+    config = os.path.join(model_path, "config.json")
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"{key} does not exist" if not os.path.exists(model_path)
+                                else f"{key} is a file, expected a Hugging Face model directory")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{key} holds no Hugging Face config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{key}: config.json is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                         f"{exc.msg})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{key}: config.json is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{key}: config.json is not a Hugging Face model config (no model_type)")

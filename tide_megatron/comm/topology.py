@@ -78,6 +78,9 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 
     n_train = world - rollout_ranks - ref_ranks
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    # torchrun keeps its store across `--max-restarts`: each attempt gets its own keys, or a
+    # restarted job would read the dead attempt's mailboxes and process-group addresses.
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     topo = Topology(
         rank=rank,
         world_size=world,

@@ -27,6 +27,7 @@ from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import Stop
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
+from tide_megatron.controller import run_state
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
@@ -172,7 +173,8 @@ class Controller:
         t0 = time.perf_counter()
         for rank in self.topo.trainer_ranks[1:]:
             self.mailbox.post(rank, "save")
-        self.metrics.write(f"checkpoint: {self.trainer_rank.save()}")
+        state = run_state.capture(self).to_json()  # saved with the weights, before `latest` moves
+        self.metrics.write(f"checkpoint: {self.trainer_rank.save(run_state=state)}")
         return time.perf_counter() - t0
 
     # -- evaluation (tide-style: step i's model is evaluated during step i+1) ------------------

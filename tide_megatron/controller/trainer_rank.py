@@ -79,8 +79,9 @@ class TrainerRank:
         _, seconds = weight_sync.broadcast_flat(self.job_group, flat, manifest)
         return seconds
 
-    def save(self) -> str:
-        return ckpt.save_checkpoint(self.actor, self.checkpoint_root)
+    def save(self, run_state: dict[str, Any] | None = None) -> str:
+        """Collective over the trainer ranks; rank 0 passes the controller's run state."""
+        return ckpt.save_checkpoint(self.actor, self.checkpoint_root, run_state=run_state)
 
     def load(self, path: str | None) -> int:
         """Load `path`, or the latest checkpoint under the root when `path` is None."""

@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -98,16 +100,40 @@ class Generation:
     """The `tide_ctb` SGLang plugin's report on a task-tagged request (KV state, context)."""
 
 
+DIST_INIT_OVERRIDE_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+
+
 @contextlib.contextmanager
-def _without_torchelastic_store():
-    """Under torchrun, SGLang's scheduler inherits TORCHELASTIC_USE_AGENT_STORE and
-    waits for a c10d store that nobody hosts; hide it while the engine starts."""
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+def _scheduler_environment(rendezvous_dir: str | None):
+    """The environment SGLang's scheduler processes inherit while the engine starts.
+
+    - Under torchrun they inherit TORCHELASTIC_USE_AGENT_STORE and would wait for a c10d
+      store that nobody hosts: hidden.
+    - Their torch.distributed world (the engine's TP ranks, all on this node) would meet at
+      `tcp://127.0.0.1:<nccl_port>`, a TCPStore whose server listens on every interface
+      whatever the host says. With `rendezvous_dir` they meet in a FileStore there instead,
+      so the engine opens no TCP port (its other channels are ZMQ ipc sockets); the process
+      groups' own sockets follow GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
+    """
+    saved = {k: os.environ.get(k) for k in ("TORCHELASTIC_USE_AGENT_STORE", DIST_INIT_OVERRIDE_ENV)}
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if rendezvous_dir is not None:
+        os.environ[DIST_INIT_OVERRIDE_ENV] = "file://" + os.path.join(rendezvous_dir, "dist_init")
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _wants_file_rendezvous(engine_kwargs: dict[str, Any]) -> bool:
+    """SGLang's own choice stays where the user made one (a multi-node engine, an explicit
+    address or init method)."""
+    return not (engine_kwargs.get("dist_init_addr") or int(engine_kwargs.get("nnodes") or 1) > 1
+                or os.environ.get(DIST_INIT_OVERRIDE_ENV))
 
 
 def _signal_handler_class(engine: "RolloutEngine"):
@@ -139,8 +165,15 @@ class RolloutEngine:
         # this rank's logging as it was and apply SGLang's level to SGLang's loggers only.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
-        with _without_torchelastic_store():
-            self._engine = Engine(**kwargs)
+        # Private to this user (0700): the FileStore is the engine's rendezvous, no TCP port.
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="tide-sglang-") if _wants_file_rendezvous(kwargs) else None
+        try:
+            with _scheduler_environment(self._rendezvous_dir):
+                self._engine = Engine(**kwargs)
+        except BaseException:
+            if self._rendezvous_dir is not None:
+                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            raise
         root.handlers[:] = handlers
         root.setLevel(level)
         logging.getLogger("sglang").setLevel(cfg.log_level.upper())
@@ -310,3 +343,5 @@ class RolloutEngine:
                 if self.died:
                     child.kill()  # a dead engine's other subprocesses go too
                 child.join(timeout=1)
+            if self._rendezvous_dir is not None:
+                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

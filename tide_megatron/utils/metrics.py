@@ -3,33 +3,51 @@
 Only rank 0 creates a `MetricsLogger`; every other rank reports to it through the
 controller. Numeric values go to TensorBoard under their key (`time/train_s`, ...);
 everything JSON-able goes to the JSONL file.
+
+A resumed run holds each step once: the lines an earlier run wrote after the checkpoint it
+resumes from are removed (`resume_step`), and TensorBoard hides their events (`purge_step`).
+An evaluation line of step s (`eval/*` only) is written during step s+1, after step s's
+checkpoint, and a resumed run evaluates its first model again: so evaluation lines of the
+resumed step go too, and those of earlier steps stay.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
+from tide_megatron.utils import fault_injection
 from tide_megatron.utils.console import say
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0,
-                 jsonl: bool = True, tensorboard: bool = True, progress: bool = True):
+                 jsonl: bool = True, tensorboard: bool = True, progress: bool = True,
+                 resume_step: Optional[int] = None):
+        """`resume_step`: this run continues an earlier one from that step (0: from scratch, as
+        a restarted job with no checkpoint yet); later records of the earlier run are dropped."""
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self._started = time.monotonic()
         self._steps: list[dict[str, float]] = []  # the few numbers the end-of-run summary needs
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_step is not None and jsonl:
+            dropped = truncate_after(self.path, resume_step)
+            if dropped:
+                logger.info("metrics.jsonl: dropped %d records written after step %d", dropped, resume_step)
         self._jsonl = open(self.path, "a") if jsonl else None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=purge)
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -47,6 +65,7 @@ class MetricsLogger:
             self._bar.set_postfix(
                 {k: f"{metrics[k]:.3g}" for k in ("reward/mean", "goodput_tok_s", "time/step_s") if k in metrics}
             )
+        fault_injection.after_step_logged(step)
 
     def log_at(self, step: int, metrics: dict[str, Any]) -> None:
         """A record that belongs to `step` but arrives later (evaluation of that step's model)."""
@@ -98,6 +117,39 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         self._jsonl = self._tb = self._bar = None
+
+
+def is_eval_record(record: dict[str, Any]) -> bool:
+    """A record of `log_at` for an evaluation: every key but `step` is under `eval/`."""
+    keys = [k for k in record if k != "step"]
+    return bool(keys) and all(k.startswith("eval/") for k in keys)
+
+
+def truncate_after(path: str, resume_step: int) -> int:
+    """Keep the records of `path` that a run resumed at `resume_step` will not write again:
+    steps up to it, minus evaluation records of `resume_step` itself. Lines that do not parse
+    (a write cut short by a crash) go too. Rewrites the file atomically; returns lines dropped."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                dropped += 1
+                continue
+            if step < resume_step or (step == resume_step and not is_eval_record(record)):
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
 
 
 def _jsonable(value: Any) -> Any:

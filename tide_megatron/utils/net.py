@@ -10,3 +10,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+CONTROL_LOOPBACK_ENV = "TIDE_CONTROL_LOOPBACK"
+"""Set to 1 by `launch/torchrun.py`: the job's store and process groups listen on loopback only."""

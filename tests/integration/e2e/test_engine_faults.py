@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize("mode", ["sync", "tide"])
 def test_the_run_survives_a_dead_engine(tmp_path, mode):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "launch" / "train.py"),
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
+           str(REPO / "launch" / "train.py"),
            "+recipe=tiny_cpu", "metrics.progress=false", "metrics.tensorboard=false", "run.checkpoint_interval=0",
            f"scheduler.mode={mode}", "run.steps=4", "scheduler.stall_timeout_s=180", f"run.output_dir={tmp_path}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", **{FAULT_KILL_ENGINE_ENV: "2"})

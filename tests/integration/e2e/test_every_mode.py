@@ -23,7 +23,7 @@ LIVE_CONTEXT_TOKENS = 2 * 4 * 4 * 300
 
 
 def train(run_dir: Path, ranks: int, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(ranks),
            str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", "metrics.progress=false", "metrics.tensorboard=false",
            "run.checkpoint_interval=0", "scheduler.stall_timeout_s=120", f"run.output_dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def run_tide(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(REPO / "launch" / "train.py"),
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "3", str(REPO / "launch" / "train.py"),
            "+recipe=tiny_cpu", "scheduler.mode=tide", "cluster.ref_ranks=1", "metrics.progress=false",
            "scheduler.groups_per_step=3", "scheduler.group_size=2", "run.steps=3", "run.checkpoint_interval=0",
            f"run.output_dir={run_dir}", *overrides]

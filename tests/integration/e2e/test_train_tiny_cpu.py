@@ -21,7 +21,7 @@ FAST = ["scheduler.groups_per_step=2", "scheduler.group_size=2", "rollout.runner
 
 def torchrun(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
            str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", "metrics.progress=false", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -77,7 +77,7 @@ def test_env_server_down_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("run.resume_from=/no/such/checkpoint", "run.resume_from='/no/such/checkpoint' does not exist"),
-    ("model.path=/no/such/model", "model.path='/no/such/model' holds no Hugging Face config.json"),
+    ("model.path=/no/such/model", "model.path='/no/such/model' does not exist"),
 ])
 def test_missing_paths_are_clear_errors(tmp_path, override, message):
     proc = torchrun(f"run.output_dir={tmp_path}", override, timeout=300)

@@ -1,0 +1,146 @@
+"""`torchrun` for one node, with every control channel of the job on loopback.
+
+    python launch/torchrun.py --nproc-per-node 2 [--max-restarts 3] launch/train.py +recipe=tiny_cpu run.resume=auto
+
+takes torchrun's own options and runs torchrun (`torch.distributed.run`) with three changes:
+
+- The rendezvous store listens on 127.0.0.1 only. That store carries this job's control
+  messages (task assignments, trajectories with their rewards, stop), unauthenticated. torch's
+  TCPStore server binds the wildcard address whatever `--master-addr` or `--rdzv-endpoint` say
+  (torch 2.13; pytorch/pytorch#173909); the one way to restrict it is a socket bound
+  beforehand (`TCPStore(master_listen_fd=...)`). So this launcher binds 127.0.0.1 on a free
+  port (or `--master-port`) itself and hands the socket to torchrun's static rendezvous.
+- `GLOO_SOCKET_IFNAME=lo` and `NCCL_SOCKET_IFNAME=lo` (unless already set): the process
+  groups (the weight broadcast, the trainers' collectives) listen on loopback too.
+- `TIDE_CONTROL_LOOPBACK=1` (`CONTROL_LOOPBACK_ENV`), so the job does not warn about an exposed store.
+
+With `--max-restarts N` a failed job is restarted on the same store; with `run.resume=auto` it
+continues from its last good checkpoint (README, "Restartable jobs"). A job that fails ends
+with one line per rank (above) and one summary line here, not torchrun's traceback report.
+
+When the job ends, processes it left behind are stopped: a rank killed mid-run (SIGKILL, the
+OOM killer) cannot stop its helpers, e.g. the spawn Manager that Megatron's checkpoint writer
+starts, and torchrun only signals the process groups of ranks still alive. Every process of
+the job carries `TIDE_LAUNCH_ID` in its environment; what still carries it at the end goes.
+
+Several nodes: use torchrun itself, with its store and process groups on the cluster's private
+network (docs/threat_model.md); this launcher refuses options that span nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV  # noqa: E402
+
+LOOPBACK = "127.0.0.1"
+LAUNCH_ID_ENV = "TIDE_LAUNCH_ID"
+_NODE_OPTIONS = ("standalone", "rdzv_endpoint", "rdzv_conf", "local_addr")
+
+
+def bind_loopback(port: int = 0) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 (`port` 0: a free one)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(4096)
+    return sock
+
+
+def serve_store_on(sock: socket.socket) -> None:
+    """Make torchrun's static rendezvous host its store on `sock` (once) instead of binding
+    every interface."""
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+
+    real = static_tcp_rendezvous.TCPStore
+    held = [sock]
+
+    def tcp_store(*args, **kwargs):
+        is_master = args[3] if len(args) > 3 else kwargs.get("is_master", False)
+        if is_master:
+            if not held:
+                raise RuntimeError("launch/torchrun.py: the loopback store socket was already handed out")
+            kwargs["master_listen_fd"] = held.pop().detach()  # the store owns the descriptor now
+        return real(*args, **kwargs)
+
+    static_tcp_rendezvous.TCPStore = tcp_store
+
+
+def check_one_node(args) -> None:
+    """Refuse options that make the job span nodes or move its store off loopback."""
+    nnodes = str(args.nnodes)
+    if nnodes not in ("1", "1:1"):
+        raise SystemExit(f"launch/torchrun.py runs one node (got --nnodes {nnodes}); for several nodes use "
+                         "torchrun on the cluster's private network, see docs/threat_model.md")
+    for name in _NODE_OPTIONS:
+        if getattr(args, name, None):
+            raise SystemExit(f"launch/torchrun.py sets the rendezvous itself: drop --{name.replace('_', '-')}")
+    if args.rdzv_backend != "static":
+        raise SystemExit(f"launch/torchrun.py uses the static rendezvous: drop --rdzv-backend {args.rdzv_backend}")
+    if args.master_addr not in (LOOPBACK, "localhost"):
+        raise SystemExit(f"launch/torchrun.py binds the store to {LOOPBACK}: drop --master-addr {args.master_addr}")
+
+
+def describe_failures(exc) -> str:
+    """One line for torchrun's ChildFailedError: which ranks ended how, first failure first
+    (torchrun stops the others with SIGTERM once one has failed)."""
+    parts = []
+    for rank, failure in sorted(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
+        code = failure.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+            else f"exit code {code}"
+        parts.append(f"rank {rank} ({how})")
+    return "launch/torchrun.py: the job failed: " + ", then ".join(parts) + "; each rank's line above says why"
+
+
+def reap_leftovers(launch_id: str) -> int:
+    """Kill every process (but this one) whose environment carries `launch_id`; returns how many."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id:
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(argv)
+    check_one_node(args)
+    sock = bind_loopback(args.master_port or 0)
+    args.master_addr, args.master_port = LOOPBACK, sock.getsockname()[1]
+    serve_store_on(sock)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ[CONTROL_LOOPBACK_ENV] = "1"
+    launch_id = os.environ[LAUNCH_ID_ENV] = uuid.uuid4().hex  # fresh: a nested launch reaps its own only
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        print(describe_failures(exc), file=sys.stderr)
+        return 1
+    finally:
+        left = reap_leftovers(launch_id)
+        if left:
+            print(f"launch/torchrun.py: stopped {left} process(es) the job left behind", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""launch/torchrun.py: one node, and torchrun's store listening on loopback only."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousParameters, static_tcp_rendezvous
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "launch"))
+import torchrun as launcher  # noqa: E402
+
+
+def parse(*argv: str):
+    from torch.distributed import run
+
+    return run.parse_args([*argv, "--nproc-per-node", "2", "launch/train.py", "+recipe=tiny_cpu"])
+
+
+def listening(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--nnodes", "2"), "runs one node (got --nnodes 2)"),
+    (("--standalone",), "drop --standalone"),
+    (("--rdzv-endpoint", "10.0.0.5:29400"), "drop --rdzv-endpoint"),
+    (("--rdzv-backend", "c10d"), "drop --rdzv-backend c10d"),
+    (("--master-addr", "10.0.0.5"), "drop --master-addr 10.0.0.5"),
+])
+def test_options_that_leave_the_node_are_refused(argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        launcher.check_one_node(parse(*argv))
+
+
+def test_plain_options_are_one_node():
+    launcher.check_one_node(parse("--max-restarts", "2", "--master-port", "29511"))
+
+
+def test_static_rendezvous_store_listens_on_loopback_only(monkeypatch):
+    monkeypatch.setattr(static_tcp_rendezvous, "TCPStore", static_tcp_rendezvous.TCPStore)  # restored after
+    sock = launcher.bind_loopback()
+    port = sock.getsockname()[1]
+    launcher.serve_store_on(sock)
+    handler = static_tcp_rendezvous.create_rdzv_handler(RendezvousParameters(
+        backend="static", endpoint=f"127.0.0.1:{port}", run_id="t", min_nodes=1, max_nodes=1, rank=0))
+    info = handler.next_rendezvous()
+    assert isinstance(info.store, PrefixStore)
+    info.store.set("k", "v")
+    assert info.store.get("k") == b"v"
+    assert listening(port) == {"127.0.0.1"}
+    # The same store is reused across torchrun's restarts: no second bind.
+    assert handler.next_rendezvous().store.get("k") == b"v"
+
+
+def test_unpatched_store_would_listen_everywhere():
+    """What the launcher exists for (torch 2.13): the host name does not restrict the bind."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))
+    assert listening(store.port) & {"0.0.0.0", "::"}
+
+
+def test_failures_are_summed_up_in_one_line_first_failure_first(tmp_path):
+    first = ProcessFailure(1, 12, 1, str(tmp_path / "none"))
+    stopped = ProcessFailure(0, 11, -15, str(tmp_path / "none"))
+    stopped.timestamp = first.timestamp + 1
+    line = launcher.describe_failures(ChildFailedError("launch/train.py", {0: stopped, 1: first}))
+    assert line == ("launch/torchrun.py: the job failed: rank 1 (exit code 1), then rank 0 (killed by SIGTERM); "
+                    "each rank's line above says why")
+
+
+def test_leftovers_of_this_launch_are_reaped_and_nothing_else():
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleep, env={**os.environ, launcher.LAUNCH_ID_ENV: "launch-a"})
+    other = subprocess.Popen(sleep, env={**os.environ, launcher.LAUNCH_ID_ENV: "launch-b"})
+    try:
+        for _ in range(100):  # the child has exec'd once its environment shows the marker
+            if launcher.LAUNCH_ID_ENV in psutil.Process(ours.pid).environ():
+                break
+            time.sleep(0.05)
+        assert launcher.reap_leftovers("launch-a") == 1
+        assert ours.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

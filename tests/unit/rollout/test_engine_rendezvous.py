@@ -1,0 +1,28 @@
+"""The SGLang engine's own torch.distributed world meets in a private FileStore, not in a
+TCPStore listening on every interface (checked end to end by the e2e listener tests)."""
+
+from __future__ import annotations
+
+import os
+
+from tide_megatron.rollout.engine import (DIST_INIT_OVERRIDE_ENV, RolloutEngineConfig, _scheduler_environment,
+                                          _wants_file_rendezvous)
+
+
+def test_scheduler_environment_points_sglang_at_a_file_and_restores(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.delenv(DIST_INIT_OVERRIDE_ENV, raising=False)
+    with _scheduler_environment(str(tmp_path)):
+        assert os.environ[DIST_INIT_OVERRIDE_ENV] == f"file://{tmp_path}/dist_init"
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert DIST_INIT_OVERRIDE_ENV not in os.environ and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_a_users_own_rendezvous_is_left_alone(monkeypatch):
+    monkeypatch.delenv(DIST_INIT_OVERRIDE_ENV, raising=False)
+    kwargs = RolloutEngineConfig().engine_kwargs("/m")
+    assert _wants_file_rendezvous(kwargs)
+    assert not _wants_file_rendezvous({**kwargs, "dist_init_addr": "10.0.0.5:5000"})
+    assert not _wants_file_rendezvous({**kwargs, "nnodes": 2})
+    monkeypatch.setenv(DIST_INIT_OVERRIDE_ENV, "env://")
+    assert not _wants_file_rendezvous(kwargs)
