@@ -83,6 +83,7 @@ class RolloutService(threading.Thread):
         self._step_consumed_groups = 0
         self._eval_groups: dict[str, int] = {}  # eval group -> the model version it evaluates
         self._consumption = ConsumptionMeter(window_steps=4)
+        self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
         self._step_started: Optional[float] = None
         placement.on_group_started = self._on_group_started
 
@@ -249,11 +250,11 @@ class RolloutService(threading.Thread):
 
     def _reconcile(self) -> None:
         """Book tokens the ranks generated that never reached the buffer as lost."""
-        unbooked = self.health.lost_tokens()
-        if unbooked > self.buffer.ledger.lost:
-            logger.error("%d generated tokens were never booked (a task or message vanished)",
-                         unbooked - self.buffer.ledger.lost)
-            self.buffer.ledger.lose(unbooked - self.buffer.ledger.lost)
+        unbooked = self.health.lost_tokens()  # this attempt's ranks only
+        booked_here = self.buffer.ledger.lost - self.lost_before
+        if unbooked > booked_here:
+            logger.error("%d generated tokens were never booked (a task or message vanished)", unbooked - booked_here)
+            self.buffer.ledger.lose(unbooked - booked_here)
 
     def _place(self) -> None:
         """One placement pass; with CTB, groups past their staleness deadline come back cancelled."""

@@ -258,6 +258,8 @@ class RolloutEngine:
     async def open_session(self, capacity_tokens: int) -> str | None:
         if not self.cfg.use_sessions:
             return None
+        if self.died:
+            raise RuntimeError("the rollout engine died")
         from sglang.srt.managers.io_struct import OpenSessionReqInput
 
         session_id = await self._tm.open_session(
