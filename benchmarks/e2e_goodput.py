@@ -6,7 +6,9 @@ mode, with a long-tailed env latency on (rare slow steps, slow tasks, injected r
 - sync (VeRL-like), async_static (AReaL-like) and stream (StreamRL-like) at every split of the
   ranks the real system allows, and tide (CTB + RA2P);
 - `--reps` repetitions, in alternating order (forward, then reversed), so a drift of the shared
-  machine's load does not favour one mode; ratios are taken within each repetition.
+  machine's load does not favour one mode; repetition r runs every mode with seed `--seed + r`
+  (a different task stream and different long-tail draws per repetition, the same for every
+  mode within it); ratios are taken within each repetition.
 
 Per run: run goodput (consumed generated tokens / wall time from the first dispatch to the end,
 the final checkpoint included), mean step goodput, RWT + TWT, wasted-token share (dropped as
@@ -14,7 +16,7 @@ stale, cancelled, failed or lost over generated), prefix-cache hit rate, reward 
 Prints a table and writes benchmarks/results/e2e_goodput_cpu.json (command, machine, date,
 figures).
 
-    python benchmarks/e2e_goodput.py                 # 2 ranks, 8 steps, 2 repetitions
+    python benchmarks/e2e_goodput.py                 # 2 ranks, 10 steps, 3 repetitions
     python benchmarks/e2e_goodput.py --ranks 3 --steps 6 --reps 2
 """
 
@@ -65,11 +67,12 @@ def configs(modes: list[str], ranks: int) -> list[dict]:
     return out
 
 
-def run_one(cfg: dict, args, out_dir: Path) -> dict:
+def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
     overrides = ["+recipe=tiny_cpu", f"scheduler.mode={cfg['mode']}", f"cluster.rollout_ranks={cfg['rollout']}",
                  f"cluster.ref_ranks={cfg['ref']}", f"run.steps={args.steps}", "run.checkpoint_interval=0",
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
-                 f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={args.seed}", *LATENCY,
+                 f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={seed}",
+                 f"envs.server.envs.0.latency.seed={seed}", *LATENCY,
                  *args.overrides]
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
@@ -115,8 +118,8 @@ def geomean(xs: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="sync,async_static,stream,tide")
@@ -132,8 +135,8 @@ def main() -> int:
         for rep in range(args.reps):
             order = cfgs if rep % 2 == 0 else list(reversed(cfgs))
             for cfg in order:
-                result = run_one(cfg, args, tmp / f"rep{rep}_{cfg['label']}")
-                result["rep"] = rep
+                result = run_one(cfg, args, tmp / f"rep{rep}_{cfg['label']}", args.seed + rep)
+                result["rep"], result["seed"] = rep, args.seed + rep
                 runs.append(result)
                 status = "FAILED" if result["failed"] else f"{result['run_goodput_tok_s']:.1f} tok/s"
                 print(f"rep {rep} {cfg['label']:<22} {status}", flush=True)
