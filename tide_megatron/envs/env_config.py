@@ -236,6 +236,11 @@ class LatencyConfig:
     time_scale: float = 1.0
     """Multiplier of every delay (0 turns waiting off while keeping the recorded draws)."""
 
+    error_prob: float = 0.0
+    """Chance that a step fails (the remote environment crashed or refused the call): the env
+    raises, the client sees the server's error, and the task is retried. For fault tests and
+    soak runs; 0 in real use."""
+
 
 @dataclass
 class EnvConfig:

@@ -31,6 +31,10 @@ from tide_megatron.envs.task_ids import stable_seed
 RETRY_TEXT = "[remote env] The action was not applied (the environment timed out). Send your action again."
 
 
+class EmulatedEnvFailure(RuntimeError):
+    """An injected failure of the remote environment (`LatencyConfig.error_prob`)."""
+
+
 class LatencyModel:
     """Deterministic draws of delays and extra turns."""
 
@@ -50,6 +54,12 @@ class LatencyModel:
         rng = self._rng("reset", task_id, trajectory_id)
         delay = self.cfg.reset_median_s * math.exp(rng.gauss(0.0, self.cfg.step_sigma))
         return min(delay, self.cfg.max_delay_s) * self.cfg.time_scale
+
+    def step_fails(self, task_id: str, trajectory_id: str, turn: int, attempt: int = 0) -> bool:
+        """Whether this step is an injected failure of the remote environment (`attempt`: how
+        often this trajectory was reset before, so a re-run draws afresh)."""
+        return self.cfg.error_prob > 0 and \
+            self._rng("error", task_id, trajectory_id, turn, attempt).random() < self.cfg.error_prob
 
     def step_delay_s(self, task_id: str, trajectory_id: str, turn: int) -> float:
         rng = self._rng("step", task_id, trajectory_id, turn)
@@ -87,6 +97,8 @@ def _poisson(rng: random.Random, mean: float) -> int:
 class LatencyEnv(Env):
     """Any env, with emulated latency and retry turns."""
 
+    _resets: dict = {}  # trajectory -> resets so far in this server process (failure draws per attempt)
+
     def __init__(self, inner: Env, cfg: LatencyConfig, namespace: str = ""):
         self.inner = inner
         self.model = LatencyModel(cfg, namespace)
@@ -94,6 +106,7 @@ class LatencyEnv(Env):
         self._task_id = ""
         self._trajectory_id = ""
         self._turn = 0  # every step call, retries included: the delay stream's index
+        self._attempt = 0
         self._real_steps = 0  # steps forwarded to the inner env
         self._schedule: list[int] = []
         self._last_observation = ""
@@ -108,6 +121,8 @@ class LatencyEnv(Env):
     def reset(self, task_id: str, trajectory_id: str) -> ResetResult:
         result = self.inner.reset(task_id, trajectory_id)
         self._task_id, self._trajectory_id = task_id, trajectory_id
+        self._attempt = LatencyEnv._resets.get((task_id, trajectory_id), 0)
+        LatencyEnv._resets[(task_id, trajectory_id)] = self._attempt + 1
         self._turn = 0
         self._real_steps = 0
         self._schedule = self.model.retry_schedule(task_id, trajectory_id)
@@ -119,6 +134,9 @@ class LatencyEnv(Env):
 
     def step(self, action: str) -> StepResult:
         delay = self.model.step_delay_s(self._task_id, self._trajectory_id, self._turn)
+        if self.model.step_fails(self._task_id, self._trajectory_id, self._turn, self._attempt):
+            raise EmulatedEnvFailure(f"emulated failure of the remote environment (task {self._task_id}, "
+                                     f"trajectory {self._trajectory_id}, turn {self._turn})")
         self._turn += 1
         k = self._real_steps
         if k < len(self._schedule) and self._schedule[k] > 0:

@@ -67,3 +67,13 @@ def test_extra_turns_vary_per_task_and_keep_the_game_rules():
         assert total == pytest.approx(1.0)
         assert retries == model.extra_turns(f"train/{i}") == first.info["injected_retry_turns"]
         assert turns == retries + res.info["rooms_solved"]
+
+
+def test_injected_env_failures_are_deterministic_and_about_as_frequent_as_asked():
+    from tide_megatron.envs.latency import LatencyModel
+
+    model = LatencyModel(LatencyConfig(enabled=True, error_prob=0.1, seed=3))
+    draws = [model.step_fails("t", f"tr{i}", turn) for i in range(200) for turn in range(5)]
+    assert draws == [model.step_fails("t", f"tr{i}", turn) for i in range(200) for turn in range(5)]
+    assert 60 <= sum(draws) <= 140  # 10% of 1000, binomial spread
+    assert not any(LatencyModel(LatencyConfig(enabled=True)).step_fails("t", "tr", k) for k in range(50))
