@@ -35,6 +35,10 @@ class RunConfig:
     """Seeds the model init, task sampling and the engines."""
     output_dir: str = "outputs/${run.name}"
     """Metrics, checkpoints and the resolved config. Written by rank 0 only."""
+    max_wall_minutes: float = 0.0
+    """Stop after the step during which this much wall time has passed since the first dispatch
+    (a checkpoint is written as at the last step); 0: no limit. For batch-system time limits
+    and soak runs."""
     checkpoint_interval: int = 0
     """Save a Megatron dist checkpoint every this many steps (0: only at the end)."""
     resume: str = "false"

@@ -62,6 +62,8 @@ class Controller:
         self.mode = mode_policy(sched.mode, ra2p_executor=cfg.ra2p.executor, ctb_enabled=cfg.ctb.enabled)
         self.step = self.version = start_step  # the policy version is the number of updates
         self.eval_tasks = eval_tasks or []
+        self._run_started = time.monotonic()
+        self._time_noted = False
         self._eval_pending: Optional[int] = None
         batch = sched.groups_per_step * sched.group_size
         buffer = GlobalBuffer(
@@ -100,8 +102,9 @@ class Controller:
             if self.version > 0:  # resumed: the engines still hold the initial weights
                 self._push_weights(wait=True)
             self.log.start_run()
+            self._run_started = time.monotonic()
             self._start_eval()
-            while self.step < self.cfg.run.steps:
+            while not self._last_step_done():
                 self._one_step()
             self._finish_eval()  # the last model's eval has no next step to hide behind
             self.log.end_run()
@@ -166,9 +169,18 @@ class Controller:
         if wait:  # sync: the next rollout phase must run on these weights
             self.trainer.take("weights_loaded", len(self.topo.rollout_ranks), timeout_s=self.stall_timeout_s)
 
+    def _last_step_done(self) -> bool:
+        """`run.steps` reached, or `run.max_wall_minutes` passed since the first dispatch."""
+        limit = self.cfg.run.max_wall_minutes
+        out_of_time = limit > 0 and time.monotonic() - self._run_started > 60.0 * limit
+        if out_of_time and self.step < self.cfg.run.steps and not self._time_noted:
+            self._time_noted = True
+            self.metrics.write(f"run.max_wall_minutes={limit:g} reached: stopping after step {self.step}")
+        return self.step >= self.cfg.run.steps or out_of_time
+
     def _maybe_checkpoint(self) -> float:
         interval = self.cfg.run.checkpoint_interval
-        if not ((interval and self.step % interval == 0) or self.step == self.cfg.run.steps):
+        if not ((interval and self.step % interval == 0) or self._last_step_done()):
             return 0.0
         t0 = time.perf_counter()
         for rank in self.topo.trainer_ranks[1:]:
