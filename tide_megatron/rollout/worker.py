@@ -60,6 +60,7 @@ from tide_megatron.rollout.task_runner import TaskRunnerConfig
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.02
+STOP_GRACE_S = 30.0  # at Stop, how long cancelled tasks may take to close their sessions
 FAULT_KILL_ENGINE_ENV = "TIDE_FAULT_KILL_ENGINE_AFTER_VERSION"
 """Test-only fault injector: after loading this weight version, the rank kills its own SGLang
 scheduler (as a crash would), so tests can show the rank and the run survive it."""
@@ -132,14 +133,19 @@ class RolloutWorker:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_interval_s
             await asyncio.sleep(POLL_INTERVAL_S)
-        if self.engine.died:
-            for task in self._tasks.values():  # reported failed: rank 0 retries them
-                task.cancel_reason = "the rollout engine died"
-                if task.job is not None:
-                    task.job.cancel()
+        # Whatever still runs ends now: on a dead engine rank 0 retries it; at Stop the run is
+        # over, and a paused task would otherwise wait forever for a resume that never comes.
+        reason = "the rollout engine died" if self.engine.died else "the run ended"
+        for task in self._tasks.values():
+            task.cancel_reason = task.cancel_reason or reason
+            if task.job is not None:
+                task.job.cancel()
         jobs = [t.job for t in self._tasks.values() if t.job is not None]
         if jobs:
-            await asyncio.gather(*jobs, return_exceptions=True)
+            _, pending = await asyncio.wait(jobs, timeout=STOP_GRACE_S)
+            if pending:
+                logger.warning("rollout rank %d: %d task(s) still closing %.0f s after the stop; left behind",
+                               self.rank, len(pending), STOP_GRACE_S)
         self._heartbeat()
         return "engine died" if self.engine.died and not self._stopping else "stopped"
 

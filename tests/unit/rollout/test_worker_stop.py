@@ -1,0 +1,74 @@
+"""A rollout rank told to stop ends every task it holds, including one paused by CTB that
+waits for a resume which will never come (a CI run hung there after its last step)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+from tide_megatron.comm.messages import RunTask, Stop, TaskAssignment, TaskCancelled
+from tide_megatron.rollout import worker as worker_mod
+from tide_megatron.rollout.task_runner import TaskRunnerConfig
+
+
+class FakeMailbox:
+    def __init__(self):
+        self.inbox, self.sent, self._lock = [], [], threading.Lock()
+
+    def post(self, dest, message, **payload):
+        self.sent.append(message)
+
+    def poll(self, limit=1 << 30):
+        with self._lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+
+class FakeEngine:
+    def __init__(self):
+        self.cfg = types.SimpleNamespace(max_total_tokens=1000, max_running_requests=8, use_sessions=True)
+        self.loop = asyncio.new_event_loop()
+        self.died = False
+        self.closed_sessions = []
+
+    async def close_session(self, session):
+        self.closed_sessions.append(session)
+
+    def shutdown(self):
+        self.loop.close()
+
+
+class WaitsForResume:
+    """A task that CTB paused: it waits for a placement that never comes."""
+
+    def __init__(self):
+        self.started = 0
+
+    async def run(self, assignment, handle, listener):
+        self.started += 1
+        await asyncio.Event().wait()
+
+
+def test_stop_ends_a_paused_task_and_returns(monkeypatch):
+    monkeypatch.setattr(worker_mod, "STOP_GRACE_S", 5.0)
+    mailbox, engine = FakeMailbox(), FakeEngine()
+    chat = types.SimpleNamespace()
+    worker = worker_mod.RolloutWorker(1, engine, TaskRunnerConfig(), chat, env=None, mailbox=mailbox,
+                                      job_group=None, heartbeat_interval_s=0.05)
+    runner = worker._runner = WaitsForResume()
+    assignment = TaskAssignment(task={"task_id": "t0"}, group_id="g0", index=0)
+    mailbox.inbox = [RunTask(assignment)]
+
+    def stop_when_started():
+        while runner.started == 0:
+            threading.Event().wait(0.01)
+        mailbox.inbox.append(Stop())
+
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
+    assert done.wait(20), "the worker did not return after Stop"
+    cancelled = [m for m in mailbox.sent if isinstance(m, TaskCancelled)]
+    assert [m.task_id for m in cancelled] == [assignment.trajectory_id]
+    assert worker._tasks == {}
