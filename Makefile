@@ -16,7 +16,7 @@ tiny: setup
 
 # Every test tier that runs here (GPU tests skip with a reason when CUDA is absent).
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # Pure-Python and fast CPU tests only.
 test-fast: setup
