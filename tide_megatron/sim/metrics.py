@@ -101,6 +101,9 @@ class RunMetrics:
     """The terms both bounds are made of (seconds, tokens, batch sizes)."""
     consumed_tokens: int = 0
     dropped_stale_tokens: int = 0
+    """Tokens of groups that missed the staleness bound (cancelled in flight, or dropped)."""
+    cancelled_groups: int = 0
+    """Training groups cancelled in flight at their staleness deadline (cancel rule)."""
     lost_tokens: int = 0
     eval_tokens: int = 0
     generated_tokens: int = 0
@@ -120,6 +123,7 @@ class RunMetrics:
         self.sim_time_s = end_time
         self.consumed_tokens = ledger.consumed
         self.dropped_stale_tokens = ledger.dropped_stale
+        self.cancelled_groups = sim.cancelled_groups
         self.lost_tokens = ledger.lost
         self.eval_tokens = ledger.evaluated
         self.generated_tokens = ledger.generated
@@ -144,7 +148,7 @@ class RunMetrics:
         """Scalar figures (no timelines)."""
         keys = ["mode", "n_gpus", "n_ranks", "sim_time_s", "goodput", "ideal_hardware_goodput",
                 "ideal_workload_goodput", "consumed_tokens",
-                "dropped_stale_tokens", "lost_tokens", "eval_tokens", "generated_tokens", "kv_hit_rate",
+                "dropped_stale_tokens", "cancelled_groups", "lost_tokens", "eval_tokens", "generated_tokens", "kv_hit_rate",
                 "recompute_tokens", "pauses", "migrations", "evictions", "mean_step_s", "twt_rank_s",
                 "rwt_rank_s", "role_changes", "wall_s", "events", "trajectories_finished"]
         out = {k: getattr(self, k) for k in keys}

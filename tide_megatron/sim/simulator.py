@@ -13,6 +13,13 @@ scheduling, as in the paper's comparison:
   ERS (role changes, elastic batch) and CTB (task-level rollout scheduling), through the core
   objects: `GlobalBuffer`, `CTBScheduler`, `choose_mode`/`plan_microbatches`, `ERSPlanner`.
 
+Staleness (`SchedulerConfig.staleness_rule`, shared by every mode): by default a group admitted
+at version v must be consumed by the step that trains version v + bound; its trajectories run
+across weight updates (the flush at every sync makes their next turn re-prefill), and when a
+step's consumption closes, every group that can no longer be fresh is cancelled at once
+(`GlobalBuffer.doomed_groups` decides, `abandon_group(stale=True)` books its tokens as wasted).
+The fixed-split feed keeps (bound + 1) x B trajectories of live groups in the pipeline.
+
 Waiting times: TWT counts trainer rank-seconds spent waiting for ready data (or for the eval
 phase that anchors the weight sync); RWT counts rollout rank-seconds with nothing to decode
 or prefill (starved by the staleness throttle, the barrier or the env).
@@ -87,10 +94,15 @@ class Simulator:
             policy = CTBPolicy(ctb_cfg, ctb_cfg.rank_token_budget, self.buffer.unconsumed_trajectories)
         else:
             policy = RequestLevelPolicy()
-        self.cluster = RolloutCluster(self.loop, self.hw, policy, wl.env_concurrency, self._on_trajectory_done)
+        self.cluster = RolloutCluster(self.loop, self.hw, policy, wl.env_concurrency, self._on_trajectory_done,
+                                      self._on_admit)
         self.version = 0
+        self.cancel_rule = sched.staleness_rule == "cancel"
         self.groups: Dict[int, Group] = {}
-        self.train_groups_started = 0
+        self.live_groups = 0
+        """Training groups submitted and not yet consumed, cancelled or dropped (O(1) counter:
+        the feed cap and the group-slot measurements read it instead of scanning)."""
+        self.cancelled_groups = 0
         self.trajectories_finished = 0
         self.min_prompt_tokens = math.inf
         """Shortest prompt of any trajectory ever submitted (a floor on every running context;
@@ -119,7 +131,7 @@ class Simulator:
         for _ in range(n):
             g = self.workload.next_train_group()
             self.groups[g.group_id] = g
-            self.train_groups_started += 1
+            self.live_groups += 1
             out.append(g)
         return out
 
@@ -130,19 +142,53 @@ class Simulator:
         self.cluster.submit([t for g in groups for t in g.trajectories])
 
     def _feed_async(self) -> None:
-        """Keep the rollout fed within the staleness bound (AReaL's rule: never more than
-        (version + eta + 1) * B trajectories started); CTB throttles by itself."""
+        """Keep the rollout fed within the staleness bound. Without CTB: at most (bound + 1) * B
+        trajectories of *live* groups (submitted, not yet consumed, cancelled or dropped), AReaL's
+        admission rule; counting groups that were ever started instead would shrink the pipeline
+        for good with every dropped group. CTB throttles by itself; it is handed groups ahead of
+        need."""
         wl = self.cfg.workload
         if isinstance(self.cluster.policy, CTBPolicy):
-            limit_groups = self.cluster.policy.backlog() < 2 * self.B
-            while limit_groups:
+            while self.cluster.policy.backlog() < 2 * self.B:
                 self._submit(self._new_groups(1))
-                limit_groups = self.cluster.policy.backlog() < 2 * self.B
             return
-        cap = (self.version + wl.staleness_bound + 1) * wl.batch_groups
-        n = cap - self.train_groups_started
+        n = (wl.staleness_bound + 1) * wl.batch_groups - self.live_groups
         if n > 0:
             self._submit(self._new_groups(n))
+
+    def _on_admit(self, traj: Trajectory) -> None:
+        """A trajectory took an env slot: fix the version its staleness is measured from."""
+        group = self.groups[traj.group_id]
+        if not self.cancel_rule or traj.is_eval:
+            traj.version = self.version
+            return
+        if group.version < 0:
+            # the group's deadline: consumed by the step that trains version + bound
+            group.version = self.version
+            self.buffer.record_tokens(group.group_id, traj.index, 0, policy_version=group.version)
+        traj.version = group.version
+
+    def _consumed(self, groups) -> None:
+        self.live_groups -= len(groups)
+
+    def _expire(self, next_consumer_version: int) -> None:
+        """The consumption of a step is closed: every training group that can no longer be fresh
+        for the next step is cancelled now (cancel rule: in flight ones stop at once, their
+        tokens booked as wasted) and stale ready groups are dropped, freeing their slots."""
+        now = self.loop.now
+        self.live_groups -= len(self.buffer.drop_stale(next_consumer_version, now))
+        if not self.cancel_rule:
+            return
+        for gid in self.buffer.doomed_groups(next_consumer_version):
+            group = self.groups.pop(gid)
+            for traj in group.trajectories:
+                tokens = self.cluster.cancel(traj, now)
+                if tokens:
+                    self.buffer.record_tokens(gid, traj.index, tokens)
+            self.buffer.abandon_group(gid, now, stale=True, consumer_version=next_consumer_version)
+            self.live_groups -= 1
+            self.cancelled_groups += 1
+        self._consumed_kick()
 
     def _start_eval_phase(self) -> None:
         wl = self.cfg.workload
@@ -166,11 +212,13 @@ class Simulator:
         group.done += 1
         if traj.is_eval:
             self.eval_trajs_done.append(traj)
-        self.buffer.add_trajectory(rec, now, consumer_version=self.version)
+        entered = self.buffer.add_trajectory(rec, now, consumer_version=self.version)
         if group.complete:
             del self.groups[traj.group_id]
             if group.is_eval:
                 self.eval_outstanding -= 1
+            elif entered is None:  # already stale at completion (drop rule)
+                self.live_groups -= 1
         self.loop.notify()
         if self.mode != "sync":
             self._feed_async()
@@ -204,8 +252,9 @@ class Simulator:
         return self.loop.now - t0
 
     def _finish_step(self, step: int, start: float, consumed: int, tokens: int, extra: dict):
-        """Version bump, eval anchoring, ERS plan, weight sync and cache flush."""
+        """Deadlines, version bump, eval anchoring, ERS plan, weight sync and cache flush."""
         readiness = self.buffer.end_step(self.loop.now)
+        self._expire(self.version + 1)
         self.version += 1
         eval_wait = 0.0
         if self.eval_pending_phase:
@@ -218,7 +267,6 @@ class Simulator:
         yield stall
         self.cluster.version = self.version
         self.cluster.flush_all(self.loop.now, 0.0)  # the rollout ranks stalled with the trainer
-        self._consumed_kick()  # stale groups may have been dropped at the version bump
         if self.workload.is_eval_step(step + 1):
             self._start_eval_phase()
         self._feed_async()
@@ -245,6 +293,7 @@ class Simulator:
             self.eval_pending_phase = False
             rollout_end = self.loop.now
             batch = self.buffer.fetch_batch(self.version, self.loop.now)
+            self._consumed(batch.groups)
             lengths = sequence_lengths(batch.groups)
             switch = self.hw.colocate_switch_s(self.n_ranks)
             train = aggregated_round(self.costs, lengths, self.n_ranks, self.ra2p_cfg)
@@ -283,6 +332,7 @@ class Simulator:
             while batch is None:  # a fetch may drop stale groups and fall short: wait again
                 wait += yield from self._wait_for(lambda: self.buffer.ready_trajectories() >= self.B, "batch")
                 batch = self.buffer.fetch_batch(self.version, self.loop.now)
+            self._consumed(batch.groups)
             self._consumed_kick()
             lengths = sequence_lengths(batch.groups)
             dur = aggregated_round(self.costs, lengths, self.trainer_ranks, self.ra2p_cfg)
@@ -358,6 +408,7 @@ class Simulator:
                 groups = self.buffer.fetch(self.version, self.loop.now, self.B - consumed)
                 if not groups:  # the head group does not fit the remaining batch: take it anyway
                     groups = self.buffer.fetch(self.version, self.loop.now, self.B)
+                self._consumed(groups)
                 self._consumed_kick()
                 lengths = sequence_lengths(groups)
                 consumed += sum(len(g) for g in groups)
@@ -385,8 +436,8 @@ class Simulator:
         self.ers = ERSPlanner(ERSConfig(min_rollout_ranks=min_roll, min_trainer_ranks=min_train,
                                         max_trainer_scale_up_per_step=sched.ers_max_moves,
                                         actors_per_ref=sched.ref_actor_ratio), self.n_ranks)
-        # start from the configured share (the best static point is a sane prior), colocated
-        n_roll = min(self.n_ranks - min_train, max(min_roll, round(sched.rollout_share * self.n_ranks)))
+        # start from the fixed prior split (no sweep informs it), colocated
+        n_roll = min(self.n_ranks - min_train, max(min_roll, round(sched.initial_rollout_share * self.n_ranks)))
         roles = {r: (Role.ACTOR_REF if r < self.n_ranks - n_roll else Role.ROLLOUT) for r in range(self.n_ranks)}
         self.plan = RolePlan(roles, RA2PMode.COLOCATED, reason="initial", step=-1, changed=True)
         self._apply_roles(self.plan, 0.0)

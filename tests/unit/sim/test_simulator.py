@@ -119,3 +119,49 @@ def test_workload_bound_binds_when_env_slots_are_scarce(small_config):
     assert 0 < m.goodput <= m.ideal_workload_goodput < m.ideal_hardware_goodput
     # the slot bound alone at the fastest (batch-1) token latency is already a floor on time
     assert m.ideal_detail["t_workload_s"] >= m.ideal_detail["t_slots_at_batch1_s"]
+
+
+def test_feed_counts_live_groups_so_cancelled_groups_are_replaced(small_config):
+    """The fixed-split feed caps *live* groups at (bound + 1) x B: groups cancelled at their
+    deadline are replaced, so the pipeline does not shrink with every miss."""
+    sim = Simulator(small_config("mode=async_static", "steps=6", "workload.eval_every=0"))
+    cap = (sim.cfg.workload.staleness_bound + 1) * sim.cfg.workload.batch_groups
+    live_at_step_start = []
+    begin = sim.buffer.begin_step
+
+    def spy(now):
+        pending = len(sim.buffer.pending_group_ids())
+        live_at_step_start.append(pending + len(sim.buffer.ready_groups()))
+        return begin(now)
+
+    sim.buffer.begin_step = spy
+    m = sim.run()
+    assert m.cancelled_groups > 0  # deadlines were missed: the cap must not count those groups
+    assert live_at_step_start[1:] == [cap] * (len(live_at_step_start) - 1)
+    # every group that left (consumed, cancelled or dropped) was replaced, and none leaked
+    left = len(sim.buffer.records)
+    assert sim.live_groups == cap and sim.workload.groups_drawn == left + cap
+
+
+@pytest.mark.parametrize("mode", ["async_static", "stream", "tide"])
+def test_cancel_rule_books_missed_groups_as_wasted_and_keeps_the_bound(small_config, mode):
+    sim = Simulator(small_config(f"mode={mode}", "steps=6"))
+    m = sim.run()
+    eta = sim.cfg.workload.staleness_bound
+    records = list(sim.buffer.records.values())
+    for rec in records:
+        if rec.fate.value == "consumed":
+            assert rec.consumer_version - rec.policy_version <= eta
+    # every cancelled group stopped at once: none of its trajectories finished after its cancel
+    cancelled = [r for r in records if r.fate.value == "dropped_stale" and r.completed_at is None]
+    assert len(cancelled) == m.cancelled_groups
+    assert m.dropped_stale_tokens == sum(r.generated_tokens for r in records if r.fate.value == "dropped_stale")
+    for t in sim.consumed_trajs:  # per-segment versions: never older than the group's admission
+        assert t.segment_versions and min(t.segment_versions) >= t.version
+
+
+def test_drop_rule_is_kept_for_comparison(small_config):
+    m = run_simulation(small_config("mode=async_static", "scheduler.staleness_rule=drop"))
+    assert m.cancelled_groups == 0 and len(m.steps) == 4
+    with pytest.raises(ValueError, match="staleness_rule"):
+        small_config("scheduler.staleness_rule=never")
