@@ -168,10 +168,10 @@ class SchedulerConfig:
     """Tokens per actor DP rank in one micro-batch."""
     ref_actor_ratio: int = 3
     """Actor ranks served by one dedicated REF rank in decoupled mode (ref fwd = 1/3 of actor)."""
-    ers_tau: float = 0.5
-    """ERS: consumption deficit when the head-of-line latency exceeds tau x mean step time."""
     ers_max_moves: int = 1
     """ERS: ranks moved per step at most (the paper bounds trainer scale-up to one per step)."""
+    ers_preemptive: bool = True
+    """ERS: preemptive maximal rollout at cold start and during evaluation phases (loans)."""
     min_rollout_share: float = 0.125
     """Lowest rollout share ERS may reach."""
     max_rollout_share: float = 0.875

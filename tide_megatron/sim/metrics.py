@@ -53,7 +53,7 @@ class RunMetrics:
     rwt_rank_s: float = 0.0
     role_changes: int = 0
     ers_log: List[tuple] = field(default_factory=list)
-    """(step, RAS, TPRM, break-even RAS, generation deficit, consumption deficit, reason)."""
+    """(step, RAS tokens, arrival tokens/s, target rollout ranks, rollout ranks planned, RA2P mode, reason)."""
     # filled by finish()
     sim_time_s: float = 0.0
     goodput: float = 0.0

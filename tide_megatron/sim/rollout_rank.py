@@ -44,6 +44,10 @@ class RankStats:
     decode_s: float = 0.0
     batch_seq_s: float = 0.0
     """Integral of the running sequences over decode time (mean decode batch = this / decode_s)."""
+    kv_token_s: float = 0.0
+    """Integral of the KV tokens held over time (mean KV use = this / time)."""
+    iterations: float = 0.0
+    """Decode iterations run (mean iteration time = decode_s / iterations)."""
     evictions: int = 0
     idle_s: float = 0.0
     """Time with nothing to decode or prefill (rollout waiting time, RWT)."""
@@ -93,6 +97,8 @@ class RolloutRank:
 
     def advance(self, now: float) -> None:
         """Move the decode clock to wall time `now`."""
+        if now > self.last_t:
+            self.stats.kv_token_s += self.used * (now - self.last_t)
         start = max(self.last_t, self.freeze_until)
         self.last_t = max(self.last_t, now)
         if now <= start:
@@ -109,6 +115,7 @@ class RolloutRank:
         else:
             dv = (-slope + math.sqrt(slope * slope + 2 * b * dt)) / b
         self.vclock += dv
+        self.stats.iterations += dv
         self.stats.decode_s += dt
 
     def _time_for(self, dv: float) -> float:

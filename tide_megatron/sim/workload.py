@@ -92,8 +92,9 @@ class Group:
     done: int = 0
     complete_time: float = -1.0
     version: int = -1
-    """Oldest start version among its trajectories."""
-    tags: dict = field(default_factory=dict)
+    """Admission version (cancel rule): the group must be consumed by version + bound."""
+    admitted: bool = False
+    """Some member has taken an env slot (the group holds staleness-throttle slots)."""
 
     @property
     def size(self) -> int:

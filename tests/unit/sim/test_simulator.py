@@ -75,11 +75,24 @@ def test_static_trainer_waits_for_the_full_batch(small_config):
     assert all(s.trajectories == sim.B for s in m.steps)
 
 
-def test_ers_moves_ranks(small_config):
-    # a starved trainer start (1/8 rollout) must trigger role changes through the core ERS
-    m = run_simulation(small_config("mode=tide", "steps=8", "scheduler.rollout_share=0.125"))
+@pytest.mark.parametrize("share,direction", [(0.125, +1), (0.875, -1)])
+def test_ers_moves_the_split_away_from_a_lopsided_start(small_config, share, direction):
+    """From a starved trainer (1/8 rollout) ERS grows rollout; from a starved rollout (7/8) it
+    grows the trainer, through the core controller's measurements of the sim's pipeline."""
+    sim = Simulator(small_config("mode=tide", "steps=10", "workload.eval_every=0", "scheduler.ers_preemptive=false",
+                                 f"scheduler.initial_rollout_share={share}",
+                                 "scheduler.min_rollout_share=0.125", "scheduler.max_rollout_share=0.875"))
+    m = sim.run()
+    start = round(share * sim.n_ranks)
     assert m.role_changes > 0
-    assert len({r[1] for r in m.roles}) > 1
+    assert (m.steps[-1].rollout_ranks - start) * direction > 0
+    assert all(len(e) == 7 for e in m.ers_log)
+
+
+def test_ers_cold_start_lends_trainer_ranks_to_rollout(small_config):
+    m = run_simulation(small_config("mode=tide", "steps=2"))
+    first, second = m.roles[0], m.roles[1]
+    assert first[1] > second[1]  # more rollout ranks during the cold start than after it
 
 
 def test_without_ers_tide_keeps_its_shares(small_config):
@@ -121,9 +134,11 @@ def test_slot_bounds_bind_when_slots_are_scarce(small_config):
 
 
 def test_feed_counts_live_groups_so_cancelled_groups_are_replaced(small_config):
-    """The fixed-split feed caps *live* groups at (bound + 1) x B: groups cancelled at their
-    deadline are replaced, so the pipeline does not shrink with every miss."""
-    sim = Simulator(small_config("mode=async_static", "steps=6", "workload.eval_every=0"))
+    """The feed keeps live groups plus the current step's consumption at (bound + 1) x B: groups
+    cancelled at their deadline are replaced, so the pipeline does not shrink with every miss."""
+    # slow ALFWorld envs: some groups miss their deadline
+    sim = Simulator(small_config("mode=stream", "steps=6", "workload.eval_every=0",
+                                 "workload.task_types.1.env_step_s=[2.0,0.8]"))
     cap = (sim.cfg.workload.staleness_bound + 1) * sim.cfg.workload.batch_groups
     live_at_step_start = []
     begin = sim.buffer.begin_step
@@ -139,7 +154,8 @@ def test_feed_counts_live_groups_so_cancelled_groups_are_replaced(small_config):
     assert live_at_step_start[1:] == [cap] * (len(live_at_step_start) - 1)
     # every group that left (consumed, cancelled or dropped) was replaced, and none leaked
     left = len(sim.buffer.records)
-    assert sim.live_groups == cap and sim.workload.groups_drawn == left + cap
+    assert sim.live_groups * sim.G + sim.taken_this_step == cap * sim.G  # the window stays full
+    assert sim.workload.groups_drawn == left + sim.live_groups
 
 
 @pytest.mark.parametrize("mode", ["async_static", "stream", "tide"])
