@@ -14,7 +14,7 @@ from typing import List
 
 from omegaconf import MISSING
 
-MODES = ("sync", "async_static", "stream", "tide")
+MODES = ("sync", "async_static", "stream", "elastic", "tide")
 STALENESS_RULES = ("cancel", "drop")
 
 
@@ -146,7 +146,8 @@ class SchedulerConfig:
     """Knobs of the scheduling modes (the mode itself is `SimConfig.mode`)."""
 
     rollout_share: float = 0.25
-    """Fraction of ranks doing rollout in async_static / stream (swept by the benchmark)."""
+    """Fraction of ranks doing rollout in async_static / stream, and the standalone rollout
+    share of `elastic` (the verl-like peer); swept by the benchmark."""
     initial_rollout_share: float = 0.5
     """TIDE's starting split: a fixed prior (half the ranks roll out) that no sweep informs;
     ERS moves from here."""
@@ -190,7 +191,7 @@ class SimConfig:
     """One simulation run."""
 
     mode: str = "tide"
-    """Scheduling mode: sync | async_static | stream | tide."""
+    """Scheduling mode: sync | async_static | stream | elastic (verl-like dynamic scaling) | tide."""
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     """The GPU model."""
     model: ModelConfig = field(default_factory=ModelConfig)

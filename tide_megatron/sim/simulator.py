@@ -9,6 +9,9 @@ scheduling, as in the paper's comparison (the trainer processes live in `sim/tra
   batch, runs Ref over it, swaps, runs the Actor (one aggregation round per step).
 - `stream` (StreamRL-like): fixed share; micro-batches are trained as they arrive, each with
   a Ref->Actor model alternation over PCIe.
+- `elastic` (verl-like dynamic scaling, `sim/verl_elastic.py`): a fixed standalone rollout
+  share; after each weight sync the trainer's own ranks roll out while the trainer would wait,
+  when the expected gain exceeds the measured switch cost, with an adaptive deactivate ratio.
 - `tide`: streaming plus, cumulatively, RA2P (mode choice, just-in-time micro-batches,
   aggregation rounds sized by the cost model, decoupled pipeline), ERS (the closed-loop split,
   preemptive loans, elastic batch) and CTB (task-level rollout scheduling), through the core
@@ -164,7 +167,7 @@ class Simulator:
         s = self.cfg.scheduler
         if self.mode == "tide":
             return "tide" + ("+ra2p" if s.ra2p else "") + ("+ers" if s.ers else "") + ("+ctb" if s.ctb else "")
-        if self.mode in ("async_static", "stream"):
+        if self.mode in ("async_static", "stream", "elastic"):
             return f"{self.mode}@{s.rollout_share:g}"
         return self.mode
 

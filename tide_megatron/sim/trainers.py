@@ -14,11 +14,13 @@ from tide_megatron.sim.events import WaitUntil
 from tide_megatron.sim.metrics import StepRecord
 from tide_megatron.sim.trainer_model import (
     DecoupledPipeline, aggregated_round, colocated_rounds, per_microbatch_alternation, sequence_lengths)
+from tide_megatron.sim.verl_elastic import VerlElasticPolicy
 
 
 def process_for(sim):
     """The trainer generator of `sim`'s mode."""
-    return {"sync": run_sync, "async_static": run_barrier, "stream": run_stream, "tide": run_stream}[sim.mode](sim)
+    return {"sync": run_sync, "async_static": run_barrier, "stream": run_stream, "tide": run_stream,
+            "elastic": run_elastic}[sim.mode](sim)
 
 
 def run_sync(sim):
@@ -73,6 +75,49 @@ def run_barrier(sim):
             batch = sim.take_batch()
         dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg)
         yield dur
+        yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
+                                   dict(rollout_s=0.0, train_s=dur, wait_s=wait, ra2p_mode="colocated"))
+
+
+def run_elastic(sim):
+    """verl-like dynamic scaling (`verl_elastic`): a fixed standalone rollout share; after each
+    weight sync the trainer's own (hybrid) ranks roll out when the policy finds it worth it,
+    until the policy's share of the step's samples is queued, then return and train the
+    barrier way (Ref over the batch, swap, Actor)."""
+    policy = VerlElasticPolicy()
+    standalone, sim.trainer_ranks = sim.static_split()
+    hybrid = [r for r in range(sim.n_ranks) if r not in standalone]
+    sim.set_rollout(standalone, 0.0)
+    sim.record_roles(mode="colocated")
+    switch = sim.hw.colocate_switch_s(len(hybrid))  # training state out / engine in, or back
+    for step in range(sim.cfg.steps):
+        start = sim.loop.now
+        sim.begin_step(start)
+        ready_at_start = sim.ready_trajectories
+        switch_s = 0.0
+        if policy.should_activate(sim.B, ready_at_start):
+            # hybrid engines wake with the current weights and take requests; the trainer lends
+            # its ranks until the policy's share of the batch is queued
+            trainer_ranks, sim.trainer_ranks = sim.trainer_ranks, 0
+            sim.set_rollout(standalone + hybrid, switch)
+            sim.record_roles(mode="hybrid-rollout")
+            threshold = min(sim.B, policy.deactivate_threshold(sim.B))
+            yield WaitUntil(lambda: sim.ready_trajectories >= threshold, "hybrid rollout")
+            sim.set_rollout(standalone, 0.0)  # in-flight requests are retried on standalone ranks
+            sim.trainer_ranks = trainer_ranks
+            yield switch
+            sim.record_roles(mode="colocated")
+            switch_s = 2 * switch
+        t0 = sim.loop.now
+        ready_before = sim.ready_trajectories
+        wait, batch = 0.0, None
+        while batch is None:
+            wait += yield from sim.wait_for(lambda: sim.ready_trajectories >= sim.B, "batch")
+            batch = sim.take_batch()
+        waited_samples = max(0, sim.B - ready_before) if wait > 0 else 0
+        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg)
+        yield dur
+        policy.after_step(sim.B, sim.loop.now - dur - t0 if waited_samples else 0.0, waited_samples, switch_s)
         yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
                                    dict(rollout_s=0.0, train_s=dur, wait_s=wait, ra2p_mode="colocated"))
 

@@ -5,7 +5,7 @@ import pytest
 from tide_megatron.sim import run_simulation
 from tide_megatron.sim.simulator import Simulator
 
-MODES = [("sync",), ("async_static",), ("stream",), ("tide",),
+MODES = [("sync",), ("async_static",), ("stream",), ("elastic",), ("tide",),
          ("tide", "scheduler.ers=false", "scheduler.ctb=false")]
 
 
@@ -60,6 +60,14 @@ def test_sync_has_a_global_barrier(small_config):
         assert any(t.end_time <= s for s in starts)
     phases = [r[4] for r in m.roles]
     assert phases[1:: 2] == ["sync-train"] * len(m.steps)
+
+
+def test_verl_like_peer_lends_trainer_ranks_and_takes_them_back(small_config):
+    sim = Simulator(small_config("mode=elastic", "scheduler.rollout_share=0.25", "workload.eval_every=0"))
+    m = sim.run()
+    lent = [r for r in m.roles if r[4] == "hybrid-rollout"]
+    assert lent and all(r[1] == sim.n_ranks for r in lent)  # every trainer rank rolled out
+    assert m.roles[-1][1] == 2 and all(s.trainer_ranks == 6 for s in m.steps)  # and trained again
 
 
 def test_static_partition_never_changes(small_config):
