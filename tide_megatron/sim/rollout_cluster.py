@@ -240,14 +240,21 @@ class RolloutCluster:
 
     # ------------------------------------------------------------------------------ events
     def _reschedule(self, rank: RolloutRank) -> None:
+        """Make sure a wake-up is pending no later than the rank's next turn end. Lazy: a
+        pending wake-up that is due earlier stays (it finds nothing due, and reschedules), so a
+        burst of submissions costs one event, not one per submission."""
         t = rank.next_wake()
-        if t is not None:
-            self.loop.at(t, self._wake, rank.rank_id, rank.version)
-
-    def _wake(self, rank_id: int, version: int) -> None:
-        rank = self.ranks[rank_id]
-        if version != rank.version or rank_id not in self.active:
+        if t is None or (rank.wake_at is not None and rank.wake_at <= t + 1e-9):
             return
+        rank.wake_token += 1
+        rank.wake_at = t
+        self.loop.at(t, self._wake, rank.rank_id, rank.wake_token)
+
+    def _wake(self, rank_id: int, token: int) -> None:
+        rank = self.ranks[rank_id]
+        if token != rank.wake_token or rank_id not in self.active:
+            return
+        rank.wake_at = None
         now = self.loop.now
         done, started = rank.wake(now)
         for traj in done:
