@@ -53,7 +53,7 @@ def run(setup: str, overrides: list):
     s["command"] = command_line(setup, overrides)
     s["run_wall_s"] = time.perf_counter() - t0
     s["waiting_rank_s"] = m.waiting_rank_s
-    s["wasted_share"] = (s["dropped_stale_tokens"] + s["lost_tokens"]) / max(1, s["generated_tokens"])
+    s["wasted_share"] = s["wasted_tokens"] / max(1, s["generated_tokens"])
     print(f"  {s['mode']:<24} goodput {s['goodput']:>8.0f} tok/s  step {s['mean_step_s']:5.1f}s  "
           f"waste {s['wasted_share']:.3f}  wait {m.waiting_rank_s:8.0f} rank-s  ({s['run_wall_s']:.0f}s)", flush=True)
     return s, m

@@ -30,6 +30,7 @@ and `buffer.add_trajectory`, and `ctb.schedule(now, unconsumed_trajectories=...)
 Admit / Pause / Resume decisions to carry out.
 """
 
+from tide_megatron.core.trajectory import Segment, Trajectory
 from tide_megatron.core.buffer import (
     BufferConfig,
     CompletedGroup,
@@ -89,7 +90,7 @@ __all__ = [
     "ERSConfig", "ERSController", "ERSMeasurements", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
     "MicroBatch", "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "RA2PConfig", "RA2PMode",
     "RankPool", "ReadinessEstimate", "ReadinessEstimator", "ReadinessMeter", "Requeue", "Resume", "Role",
-    "RolePlan", "RolloutTask", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
+    "RolePlan", "RolloutTask", "Segment", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
     "TrainerLayout", "TrainingBatch", "Trajectory", "break_even_ras", "choose_mode", "colocated_latency",
     "colocated_round_size", "decoupled_latency", "group_advantages", "median_interval", "mode_costs",
     "plan_microbatches", "should_feed", "tprm_for", "trainer_layout", "trainer_roles_for",

@@ -65,9 +65,13 @@ class RunMetrics:
     """The terms both bounds are made of (seconds, tokens, batch sizes)."""
     consumed_tokens: int = 0
     dropped_stale_tokens: int = 0
-    """Tokens of groups that missed the staleness bound (cancelled in flight, or dropped)."""
+    """Tokens of completed groups dropped because they were past the staleness bound."""
+    cancelled_tokens: int = 0
+    """Tokens of groups cancelled in flight because they could no longer make their deadline."""
+    wasted_tokens: int = 0
+    """Generated for training and thrown away (dropped, cancelled, failed, lost)."""
     cancelled_groups: int = 0
-    """Training groups cancelled in flight at their staleness deadline (cancel rule)."""
+    """Training groups cancelled in flight (cancel rule)."""
     lost_tokens: int = 0
     eval_tokens: int = 0
     generated_tokens: int = 0
@@ -87,6 +91,8 @@ class RunMetrics:
         self.sim_time_s = end_time
         self.consumed_tokens = ledger.consumed
         self.dropped_stale_tokens = ledger.dropped_stale
+        self.cancelled_tokens = ledger.cancelled
+        self.wasted_tokens = ledger.wasted
         self.cancelled_groups = sim.cancelled_groups
         self.lost_tokens = ledger.lost
         self.eval_tokens = ledger.evaluated
@@ -112,7 +118,7 @@ class RunMetrics:
         """Scalar figures (no timelines)."""
         keys = ["mode", "n_gpus", "n_ranks", "sim_time_s", "goodput", "ideal_hardware_goodput",
                 "ideal_attainable_goodput", "consumed_tokens",
-                "dropped_stale_tokens", "cancelled_groups", "lost_tokens", "eval_tokens", "generated_tokens", "kv_hit_rate",
+                "dropped_stale_tokens", "cancelled_tokens", "wasted_tokens", "cancelled_groups", "lost_tokens", "eval_tokens", "generated_tokens", "kv_hit_rate",
                 "recompute_tokens", "pauses", "migrations", "evictions", "mean_step_s", "twt_rank_s",
                 "rwt_rank_s", "role_changes", "wall_s", "events", "trajectories_finished"]
         out = {k: getattr(self, k) for k in keys}

@@ -22,7 +22,10 @@ Staleness (`SchedulerConfig.staleness_rule`, shared by every mode): by default a
 at version v must be consumed by the step that trains version v + bound; its trajectories run
 across weight updates (the flush at every sync makes their next turn re-prefill), and when a
 step's consumption closes, every group that can no longer be fresh is cancelled at once
-(`GlobalBuffer.doomed_groups` decides, `abandon_group(stale=True)` books its tokens as wasted).
+(`GlobalBuffer.doomed_groups` decides, `cancel_group` books its tokens as wasted); with CTB,
+its deadline-aware admission (fed the trainer's clock) also starts only groups predicted to
+make their deadline and cancels doomed ones itself. Ready groups are taken earliest deadline
+first, with room kept for groups on their last chance (the buffer's fetch).
 The fixed-split feed keeps (bound + 1) x B trajectories of live groups in the pipeline.
 
 Counters. The buffer-side quantities read on every dispatch or trainer wake-up (ready volume,
@@ -43,6 +46,7 @@ from typing import Dict, List, Optional
 from tide_megatron.core.buffer import BufferConfig, CompletedGroup, GlobalBuffer
 from tide_megatron.core.buffer import Trajectory as BufferTrajectory
 from tide_megatron.core.ctb import CTBConfig
+from tide_megatron.core.ctb_deadline import ConsumptionMeter, TrainerClock
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.ra2p import RA2PConfig, trainer_layout
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
@@ -117,12 +121,8 @@ class Simulator:
                 rank_token_budget=self.kv_budget, env_concurrency=wl.env_concurrency,
                 max_staleness=wl.staleness_bound, trainer_batch_trajectories=self.B,
                 context_norm_tokens=max(t.max_context_tokens for t in wl.task_types))
-            # CTB sees every group its staleness throttle could admit: a group's members wait
-            # for its probe's first turn, so a short lookahead (the adapter's default, 4 groups)
-            # caps admission at ~4 groups per probe latency, far below the throttle. The
-            # throttle's input counts what the trainer took in the current step (`window_used`).
-            policy = CTBPolicy(ctb_cfg, ctb_cfg.rank_token_budget, lambda: self.window_used,
-                               lookahead_groups=(wl.staleness_bound + 1) * wl.batch_groups)
+            policy = CTBPolicy(ctb_cfg, ctb_cfg.rank_token_budget, lambda: self.finished_unconsumed,
+                               clock_fn=self._trainer_clock, on_group_cancelled=self._cancel_group)
         else:
             policy = RequestLevelPolicy()
         self.cluster = RolloutCluster(self.loop, self.hw, policy, wl.env_concurrency, self._on_trajectory_done,
@@ -142,6 +142,11 @@ class Simulator:
         """Finished training trajectories not yet consumed, cancelled or dropped."""
         self.taken_this_step = 0
         """Trajectories the trainer took since the current step began."""
+        self.ready_changes = 0
+        """Bumped whenever a group becomes ready (a trainer the buffer's fetch held back waits
+        for this to move: its room was kept for groups still running on their last chance)."""
+        self.step_started_at = 0.0
+        self.consumption = ConsumptionMeter()
         self._ready_size: Dict[int, tuple] = {}
         self._slots_full_since: Optional[float] = None
         self.cancelled_groups = 0
@@ -187,22 +192,19 @@ class Simulator:
             self.buffer.open_group(g.group_id, g.group_id, self.loop.now, size=g.size, is_eval=g.is_eval)
         self.cluster.submit([t for g in groups for t in g.trajectories])
 
-    @property
-    def window_used(self) -> int:
-        """The staleness window's capacity already spoken for: trajectories of live groups that
-        finished but were not consumed, plus those the trainer took in the current step.
-
-        The (bound + 1) steps ahead consume (bound + 1) x B trajectories, the current step's
-        consumption included, and every admitted group must fall within them (EDF-feasible):
-        admitted + taken_this_step <= (bound + 1) x B. Counting only what is outstanding lets
-        a step that already took part of its batch admit work no step can consume in time, and
-        every group that then misses frees a slot for another that will miss (observed: half
-        of all tokens wasted)."""
-        return self.finished_unconsumed + self.taken_this_step
+    def _trainer_clock(self, now: float) -> Optional[TrainerClock]:
+        """What CTB's deadline admission needs, measured here as the real controller would."""
+        est = self.buffer.estimate()
+        if est.steps_observed == 0 or est.step_time_s <= 0:
+            return None  # cold start: CTB's staleness throttle alone
+        return TrainerClock(version=self.cluster.version, step_time_s=est.step_time_s,
+                            next_sync_at=max(now, self.step_started_at + est.step_time_s),
+                            consumed_per_s=self.consumption.rate())
 
     def begin_step(self, now: float) -> None:
         """A step starts: its consumption window reopens (the feed refills it)."""
         self.taken_this_step = 0
+        self.step_started_at = now
         if self.mode != "sync":
             self.feed()
         self._slots_changed()
@@ -212,12 +214,13 @@ class Simulator:
     def feed(self) -> None:
         """Offer the rollout the tasks the staleness window has room for: live groups (submitted,
         not yet consumed, cancelled or dropped) plus what the current step took stay within
-        (bound + 1) x B trajectories (`window_used`). Counting groups that were ever started
-        instead (AReaL's rule) shrinks the pipeline for good with every dropped group; counting
-        only live ones admits work that cannot be consumed in time. The same for every mode:
-        with CTB, its own throttle applies the same count, and a queue flooded with groups it
-        may not start would hold back the evaluation tasks queued behind them (the adapter hands
-        CTB a bounded lookahead), which the weight sync waits for."""
+        (bound + 1) x B trajectories. The (bound + 1) steps ahead consume (bound + 1) x B, the
+        current step's consumption included, and every admitted group must fall within them:
+        counting only live groups admits work no step can consume in time, and every group
+        that then misses frees a slot for another that will miss (observed: half of all tokens
+        wasted); counting groups that were ever started (AReaL's rule) shrinks the pipeline for
+        good with every drop. The same for every mode; CTB decides, within what is offered,
+        which groups start (its deadline admission) and where."""
         n = (self.slot_cap - self.taken_this_step) // self.G - self.live_groups
         if n > 0:
             self.submit(self.new_groups(n))
@@ -237,7 +240,7 @@ class Simulator:
             if self.cancel_rule:
                 # the group's deadline: consumed by the step that trains version + bound
                 group.version = engine_version
-                self.buffer.record_tokens(group.group_id, traj.index, 0, policy_version=group.version)
+                self.buffer.note_admitted(group.group_id, group.version)
         traj.version = group.version if self.cancel_rule else engine_version
 
     def _on_trajectory_done(self, traj: Trajectory) -> None:
@@ -272,6 +275,7 @@ class Simulator:
                 self._ready_size[group.group_id] = (len(entered), tokens)
                 self.ready_trajectories += len(entered)
                 self.ready_tokens += tokens
+                self.ready_changes += 1
                 if self.window is not None:
                     self.window.fresh_tokens += tokens
         self.loop.notify()
@@ -327,16 +331,23 @@ class Simulator:
         self._left(admitted=True, n=len(dropped))
         if self.cancel_rule:
             for gid in self.buffer.doomed_groups(next_consumer_version):
-                group = self.groups.pop(gid)
-                for traj in group.trajectories:
-                    tokens = self.cluster.cancel(traj, now)
-                    if tokens:
-                        self.buffer.record_tokens(gid, traj.index, tokens)
-                self.buffer.abandon_group(gid, now, stale=True, consumer_version=next_consumer_version)
-                self.finished_unconsumed -= group.done
-                self._left(admitted=True)
-                self.cancelled_groups += 1
+                self._cancel_group(gid, next_consumer_version)
         self._consumed_kick()
+
+    def _cancel_group(self, gid: int, consumer_version: int = -1) -> None:
+        """Stop every trajectory of a doomed training group now and book its tokens as wasted."""
+        group = self.groups.pop(gid, None)
+        if group is None or not self.buffer.is_pending(gid):
+            return
+        now = self.loop.now
+        for traj in group.trajectories:
+            tokens = self.cluster.cancel(traj, now)
+            if tokens:
+                self.buffer.record_tokens(gid, traj.index, tokens)
+        self.buffer.cancel_group(gid, now, consumer_version)
+        self.finished_unconsumed -= group.done
+        self._left(admitted=group.admitted)
+        self.cancelled_groups += 1
 
     def start_eval_phase(self) -> None:
         wl = self.cfg.workload
@@ -429,6 +440,7 @@ class Simulator:
         if self.elastic:
             stall = max(stall, self._ers_boundary(step, eval_next))
         yield stall
+        self.consumption.record_step(self.step_started_at, self.loop.now, consumed)
         self.cluster.version = self.version
         self.cluster.flush_all(self.loop.now, 0.0)  # the rollout ranks stalled with the trainer
         if eval_next:

@@ -23,6 +23,20 @@ def process_for(sim):
             "elastic": run_elastic}[sim.mode](sim)
 
 
+def wait_batch(sim, enough):
+    """Wait until `enough()` holds and the buffer hands over a batch; returns (wait, batch). The
+    buffer may hold ready groups back to keep room for groups still running on their last
+    chance: then the trainer waits for the next group to become ready."""
+    wait = 0.0
+    while True:
+        wait += yield from sim.wait_for(enough, "batch")
+        batch = sim.take_batch()
+        if batch is not None:
+            return wait, batch
+        seen = sim.ready_changes
+        wait += yield from sim.wait_for(lambda: sim.ready_changes != seen, "last-chance groups")
+
+
 def run_sync(sim):
     """VeRL-like: rollout on every rank, barrier, swap, train on every rank, swap back."""
     sim.set_rollout(list(range(sim.n_ranks)), 0.0)
@@ -69,10 +83,7 @@ def run_barrier(sim):
     for step in range(sim.cfg.steps):
         start = sim.loop.now
         sim.begin_step(start)
-        wait, batch = 0.0, None
-        while batch is None:
-            wait += yield from sim.wait_for(lambda: sim.ready_trajectories >= sim.B, "batch")
-            batch = sim.take_batch()
+        wait, batch = yield from wait_batch(sim, lambda: sim.ready_trajectories >= sim.B)
         dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg)
         yield dur
         yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
@@ -110,10 +121,7 @@ def run_elastic(sim):
             switch_s = 2 * switch
         t0 = sim.loop.now
         ready_before = sim.ready_trajectories
-        wait, batch = 0.0, None
-        while batch is None:
-            wait += yield from sim.wait_for(lambda: sim.ready_trajectories >= sim.B, "batch")
-            batch = sim.take_batch()
+        wait, batch = yield from wait_batch(sim, lambda: sim.ready_trajectories >= sim.B)
         waited_samples = max(0, sim.B - ready_before) if wait > 0 else 0
         dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg)
         yield dur
@@ -151,8 +159,11 @@ def run_stream(sim):
         consumed = tokens = 0
         busy_until = sim.loop.now
         wait = compute = 0.0
+        held = -1  # ready_changes when the buffer last held its ready groups back
 
         def feed_now(idle: bool) -> bool:
+            if held == sim.ready_changes:
+                return False  # room kept for last-chance groups: wait for the next arrival
             if vanilla:
                 return sim.ready_trajectories > 0
             return should_feed(mode, sim.ready_tokens, dp, ra2p, trainer_idle=idle,
@@ -174,7 +185,10 @@ def run_stream(sim):
                     sim.loop.at(until, sim.loop.notify)
                     yield WaitUntil(lambda: feed_now(False) or sim.loop.now >= until)
                 continue
-            groups = sim.take(sim.B - consumed) or sim.take(sim.B)  # an oversized head group: take it
+            groups = sim.take(sim.B - consumed)
+            if not groups:
+                held = sim.ready_changes
+                continue
             lengths = sequence_lengths(groups)
             consumed += sum(len(g) for g in groups)
             tokens += sum(g.generated_tokens for g in groups)
