@@ -13,15 +13,13 @@ the discrete-event simulator (`tide_megatron.sim`) and the real controller.
 
 One training step, as the controller (or simulator) drives it::
 
-    buffer.begin_step(now)                                  # RAS, HoL measured
+    buffer.begin_step(now)                                  # RAS (tokens), HoL measured
     batch = buffer.fetch_batch(version, now)                # elastic [B_min, B_ideal]
-    choice = choose_mode(ras, est.tprm_s, n_mb, times, ra2p, dp_size)
-    plan = plan_microbatches({id: len}, dp_size, choice.mode, ra2p)
+    plan = plan_microbatches({id: len}, dp_size, roles.mode, ra2p)
+    # streaming: should_feed(mode, ready_tokens, dp_size, ra2p, ...) paces the rest of the step
     ... actor update ...
-    buffer.end_step(now)                                    # TPRM, T_step into the EWMA
-    deficits, _ = readiness_deficits(buffer, now, n_micro_batches=n_mb, times=times,
-                                     ra2p=ra2p, dp_size=dp_size)
-    roles = ers.plan(roles, deficits, step=step, rollout_load=...)
+    buffer.end_step(now)                                    # arrival rate, T_step into the EWMA
+    roles = ers.plan(roles, ERSMeasurements(...), times, step=step, rollout_load=...)
     for r in roles.ranks_leaving_rollout(old): ctb.remove_rank(r)   # tasks -> paused
     for r in roles.ranks_joining_rollout(old): ctb.add_rank(r)
     buffer.notify_rollout_scaled(len(roles.rollout_ranks) - len(old.rollout_ranks))
@@ -58,39 +56,42 @@ from tide_megatron.core.ctb import (
     TaskState,
     TaskStatus,
 )
-from tide_megatron.core.ers import ERSConfig, ERSPlanner, readiness_deficits
+from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.ra2p import (
     MicroBatch,
     MicroBatchPlan,
     MicroBatchTimes,
     ModeChoice,
     RA2PConfig,
+    TrainerLayout,
     break_even_ras,
     choose_mode,
     colocated_latency,
+    colocated_round_size,
     decoupled_latency,
     mode_costs,
     plan_microbatches,
+    should_feed,
+    trainer_layout,
 )
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan, trainer_roles_for
 from tide_megatron.core.signals import (
-    Deficits,
     ReadinessEstimate,
     ReadinessEstimator,
     ReadinessMeter,
     SignalsConfig,
     StepReadiness,
-    detect_deficits,
     median_interval,
+    tprm_for,
 )
 
 __all__ = [
-    "Admit", "BufferConfig", "CTBConfig", "CTBScheduler", "CompletedGroup", "Decision", "Deficits",
-    "ERSConfig", "ERSPlanner", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError", "MicroBatch",
-    "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "RA2PConfig", "RA2PMode", "RankPool",
-    "ReadinessEstimate", "ReadinessEstimator", "ReadinessMeter", "Requeue", "Resume", "Role", "RolePlan",
-    "RolloutTask", "Segment", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
-    "TrainingBatch", "Trajectory", "break_even_ras", "choose_mode", "colocated_latency",
-    "decoupled_latency", "detect_deficits", "group_advantages", "median_interval", "mode_costs",
-    "plan_microbatches", "readiness_deficits", "trainer_roles_for",
+    "Admit", "BufferConfig", "CTBConfig", "CTBScheduler", "CompletedGroup", "Decision",
+    "ERSConfig", "ERSController", "ERSMeasurements", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
+    "MicroBatch", "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "RA2PConfig", "RA2PMode",
+    "RankPool", "ReadinessEstimate", "ReadinessEstimator", "ReadinessMeter", "Requeue", "Resume", "Role",
+    "RolePlan", "RolloutTask", "Segment", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
+    "TrainerLayout", "TrainingBatch", "Trajectory", "break_even_ras", "choose_mode", "colocated_latency",
+    "colocated_round_size", "decoupled_latency", "group_advantages", "median_interval", "mode_costs",
+    "plan_microbatches", "should_feed", "tprm_for", "trainer_layout", "trainer_roles_for",
 ]

@@ -1,39 +1,64 @@
-"""Elastic Resource Scaling (ERS): move ranks between Rollout and Trainer from readiness.
+"""Elastic Resource Scaling (ERS): a closed-loop controller of the rollout / trainer split.
 
-Paper rules ("ERS Scheduling of RA2P Strategies"):
+Paper ("ERS Scheduling of RA2P Strategies"): right after each actor update, before the weight
+sync, ERS plans which ranks roll out and which train in the next step, and in which RA2P mode;
+roles change on the sync boundary, where rollout caches are flushed anyway. It reacts to two
+imbalances: the trainer starving for ready data (move ranks to Rollout, colocated RA2P) and
+ready data piling up while Rollout waits (move ranks to the Trainer, decoupled RA2P). Trainer
+scale-up is bounded to one rank per step, and during cold starts and evaluation phases Rollout
+is maximised preemptively instead of waiting for the signals.
 
-- When. A plan is made right after each actor update and before the weight sync; roles
-  change on that sync boundary, where rollout caches are flushed anyway.
-- Generation deficit (batch volume < B_ideal; small RAS, long TPRM, trainer starving):
-  select COLOCATED RA2P and give the ranks that were dedicated Ref ranks to Rollout. If the
-  trainer is already colocated, one more trainer rank goes to Rollout (down to the minimum).
-- Consumption deficit (HoL > tau * T_step, or RAS above the decoupled break-even; ready
-  data piling up): select DECOUPLED RA2P and reclaim one Rollout rank as a dedicated Ref
-  rank; if already decoupled, reclaim one Rollout rank as more trainer capacity (a Ref rank
-  when the actors outnumber `actors_per_ref` per Ref, else an actor).
-- Trainer scale-up is at most one rank per step (`max_trainer_scale_up_per_step`).
-- Preemptive generation allocation: at cold start and during evaluation phases generation
-  dominates, so Rollout is maximised at once instead of waiting for the signals.
-- Hysteresis (our addition; the paper asks for "conservative" plans that do not thrash):
-  a deficit must persist `trigger_steps` consecutive steps and at least `cooldown_steps`
-  steps must separate two reactive changes. When both deficits fire, generation wins: a batch
-  below B_ideal is direct evidence that Rollout cannot fill the trainer, while a reservoir
-  deliberately kept by adaptive retention ages the head of line on its own.
+Control law. Each step the controller reads `ERSMeasurements` (quantities the real system
+measures; nothing comes from a hardware model) and:
+
+1. Rates. r_t = trainer-work tokens consumed per busy trainer-rank-second; r_r = rollout work
+   delivered (fresh training groups plus evaluation trajectories, in tokens) per rollout
+   rank-second in which admission was open. Both are EWMA-smoothed across steps.
+2. Target. With N ranks, the split where delivery matches consumption is
+   R* = N r_t / (r_t + r_r) rollout ranks.
+3. Censored delivery. While the staleness throttle keeps the admission slots full, Rollout
+   delivers what it is allowed to, not what it could; counting only the time admission was
+   open corrects r_r for short throttled spells. When the slots were full for most of the step
+   r_r says little (the trap of a trainer-bound run: the trainer's backlog fills the slots,
+   Rollout starves into tiny decode batches, and the measured rates look balanced). How much
+   decode batching slows each trajectory is what tells the cases apart: a decode iteration
+   costs its weight read plus the KV reads of its batch, so its measured time over the
+   batch-of-one time (the slowdown) says whether trajectories are decode-bound. So, with the
+   slots full:
+   - the trainer did not starve, decode runs near its floor (small batches) and Rollout has
+     KV headroom to absorb one rank's load: Rollout is over-provisioned, R* = R - 1;
+   - the trainer starved and decode is slowed by batching: trajectories are slow because
+     Rollout is short of ranks, and the trainer has slack to give one, R* = R + 1;
+   - otherwise the split is held (the window and the env, not the ranks, bound the pipeline).
+4. Deadband and rate limit. Within `max_moves_per_step` ranks of the current split (the
+   paper's one trainer rank per step) and the minimum sizes, the split with the highest
+   predicted throughput min(R r_r, (N - R) r_t) is chosen, and only if it beats the current
+   split's prediction by the relative deadband (a rank is indivisible: R* = 6.4 may be served
+   best by 6 or by 7, so the prediction, not |R* - R|, decides).
+5. RA2P mode. The trainer's ranks are laid out by RA2P's cost model (`trainer_layout`): all
+   colocated, or decoupled with dedicated Ref ranks, whichever the model finds faster for the
+   measured ready backlog and arrival rate (both in tokens).
+
+Preemptive maximal rollout (`preemptive_plan`): at cold start (nothing to train yet) all but
+the minimum trainer ranks roll out until the trainer's first micro-batch is ready; during an
+evaluation phase the step is bounded below by the evaluation anyway, so every trainer rank the
+step does not need to finish its batch within the expected evaluation time rolls out. Both are
+loans: the caller returns to the reactive plan at the next boundary, outside the move limit.
 
 Rank choice is deterministic: a rollout rank is reclaimed from the least loaded (fewest
-resident tokens per the caller's `rollout_load`; ties to the highest rank id, keeping low
-ranks stable), a trainer rank is released from the highest id.
+resident tokens per the caller's `rollout_load`; ties to the highest rank id, keeping low ranks
+stable), a trainer rank is released from the highest id, and Ref ranks are the highest trainer
+ids.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from tide_megatron.core.buffer import GlobalBuffer
-from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig, break_even_ras
+from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig, TrainerLayout, trainer_layout
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
-from tide_megatron.core.signals import Deficits, detect_deficits
 
 
 @dataclass
@@ -41,163 +66,283 @@ class ERSConfig:
     """Elastic Resource Scaling configuration."""
 
     enabled: bool = True
-    """False freezes the role plan (static partition, the AReaL-style baseline)."""
+    """False freezes the role plan (static partition)."""
     min_rollout_ranks: int = 1
-    """Rollout never shrinks below this many ranks."""
+    """Rollout never shrinks below this many ranks (loans excepted: they only add rollout)."""
     min_trainer_ranks: int = 1
     """Actor ranks never drop below this many (Ref ranks do not count)."""
-    max_trainer_scale_up_per_step: int = 1
-    """Most ranks the trainer may gain in one plan (the paper bounds it to one)."""
-    trigger_steps: int = 2
-    """Consecutive steps a deficit must be observed before ERS reacts."""
+    max_moves_per_step: int = 1
+    """Ranks that may change side in one plan (the paper bounds trainer scale-up to one)."""
+    deadband: float = 0.02
+    """A rate-driven move must promise this much more throughput (relative) than the current
+    split. Below the gain of one rank on a side of up to ~50 ranks (2%), so every rank-level
+    improvement is taken; above zero, so near-ties do not flip the split back and forth."""
+    rate_ewma_alpha: float = 0.5
+    """Weight of the newest step in the smoothed rates and shares the controller decides on
+    (steps alternate between backlog-fed and arrival-fed, so single steps mislead)."""
     cooldown_steps: int = 1
-    """Steps after a reactive change during which no other reactive change is made."""
-    actors_per_ref: int = 3
-    """Actor ranks per dedicated Ref rank when growing a decoupled trainer (match RA2PConfig)."""
+    """Steps held after a move, so the next decision sees whole steps under the new split."""
+    slots_full_fraction: float = 0.8
+    """The rollout's delivery counts as throttled when the admission window was full for at
+    least this share of the step: then too little of the step is left to measure what Rollout
+    delivers when free (shorter spells are corrected for by counting only the open time)."""
+    starved_fraction: float = 0.1
+    """The trainer counts as starved when it waited for ready data at least this share of the step."""
+    kv_headroom: float = 0.9
+    """Rollout can absorb one rank's load when its KV use, scaled by R/(R-1), stays below this
+    share of the budget (CTB's budget is below the physical pool already)."""
+    decode_slowdown: float = 0.25
+    """Decode counts as slowed by batching when its mean iteration exceeds the batch-of-one
+    iteration by more than this share: at 25% a trajectory's decode is a fifth slower than it
+    can be, a loss one more rollout rank recovers in part; below it, batching is nearly free."""
 
     def __post_init__(self) -> None:
         if self.min_rollout_ranks < 0 or self.min_trainer_ranks < 1:
             raise ValueError("need min_rollout_ranks >= 0 and min_trainer_ranks >= 1")
-        if self.trigger_steps < 1 or self.cooldown_steps < 0 or self.actors_per_ref < 1:
-            raise ValueError("trigger_steps >= 1, cooldown_steps >= 0, actors_per_ref >= 1")
-        if self.max_trainer_scale_up_per_step < 0:
-            raise ValueError("max_trainer_scale_up_per_step must be >= 0")
+        if self.cooldown_steps < 0:
+            raise ValueError("cooldown_steps must be >= 0")
+        if self.max_moves_per_step < 0 or self.deadband < 0:
+            raise ValueError("max_moves_per_step and deadband must be >= 0")
+        if not 0 < self.rate_ewma_alpha <= 1:
+            raise ValueError("rate_ewma_alpha must be in (0, 1]")
+        if self.decode_slowdown < 0:
+            raise ValueError("decode_slowdown must be >= 0")
+        for name in ("slots_full_fraction", "starved_fraction", "kv_headroom"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
 
 
-class ERSPlanner:
-    """Stateful (streaks, cooldown) but deterministic planner of rank roles and RA2P mode."""
+@dataclass(frozen=True)
+class ERSMeasurements:
+    """What the controller measured over the window since the previous plan (one training step,
+    its waits and its weight sync). Every field is something the real system can measure."""
 
-    def __init__(self, config: ERSConfig, world_size: int):
-        if world_size < config.min_rollout_ranks + config.min_trainer_ranks:
+    window_s: float
+    """Wall seconds since the previous plan."""
+    trainer_ranks: int
+    """Trainer ranks (ACTOR, REF, ACTOR_REF) during the window."""
+    trainer_busy_s: float
+    """Seconds of the window in which the trainer had work (computing or swapping models):
+    the window minus its waits for ready data, for evaluation and for the weight sync."""
+    trainer_starved_s: float
+    """Seconds of the window in which the trainer waited for ready data (TWT / trainer ranks)."""
+    trained_tokens: int
+    """Trainer-work tokens (prompt + generated + observation tokens) consumed in the window."""
+    rollout_ranks: int
+    """Rollout ranks during the window."""
+    fresh_tokens: int
+    """Trainer-work tokens of training groups that became ready (complete, within the
+    staleness bound) in the window."""
+    eval_tokens: int
+    """Tokens (counted as for the trainer) of evaluation trajectories completed in the window:
+    rollout work that does not reach the trainer."""
+    slots_full_s: float
+    """Seconds of the window in which a new group waited but could not be admitted because the
+    staleness throttle's slots ((bound + 1) x B trajectories of admitted, unconsumed groups)
+    were full."""
+    kv_used_fraction: float
+    """Time-averaged share of the rollout ranks' KV token budget in use."""
+    ras_tokens: float = 0.0
+    """Ready-at-start backlog, tokens (`ReadinessEstimate.ras_tokens`)."""
+    arrival_tokens_per_s: float = 0.0
+    """Ready-token arrival rate during steps, tokens/s (`ReadinessEstimate.arrival_tokens_per_s`)."""
+    decode_iteration_s: float = 0.0
+    """Mean decode iteration time on the rollout ranks in the window (0: none measured)."""
+    decode_floor_s: float = 0.0
+    """Decode iteration time of a batch of one (the weights' read; from the engine's profile)."""
+    mean_decode_batch: float = 0.0
+    """Time-averaged sequences per decode iteration on a rollout rank (reported with the plan)."""
+
+    @property
+    def decode_slowdown(self) -> float:
+        """Mean decode iteration over the batch-of-one iteration (1.0 when not measured)."""
+        if self.decode_iteration_s > 0 and self.decode_floor_s > 0:
+            return self.decode_iteration_s / self.decode_floor_s
+        return 1.0
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.trainer_ranks < 0 or self.rollout_ranks < 0:
+            raise ValueError("window_s must be > 0 and rank counts >= 0")
+        if min(self.trainer_busy_s, self.trainer_starved_s, self.trained_tokens, self.fresh_tokens,
+               self.eval_tokens, self.slots_full_s, self.kv_used_fraction) < 0:
+            raise ValueError("measurements must be >= 0")
+
+
+class ERSController:
+    """Closed-loop planner of rank roles and the RA2P mode; deterministic given its inputs."""
+
+    def __init__(self, config: ERSConfig, world_size: int, ra2p: RA2PConfig):
+        if world_size < max(1, config.min_rollout_ranks) + config.min_trainer_ranks:
             raise ValueError("world too small for min_rollout_ranks + min_trainer_ranks")
         self.config = config
         self.world_size = world_size
-        self.generation_streak = 0
-        self.consumption_streak = 0
-        self.last_change_step: Optional[int] = None
+        self.ra2p = ra2p
+        self.trainer_rate: Optional[float] = None
+        """Smoothed trainer-work tokens per busy trainer-rank-second."""
+        self.rollout_rate: Optional[float] = None
+        """Smoothed delivered tokens per rollout-rank-second of open admission."""
+        self.step_tokens: Optional[float] = None
+        """Smoothed trainer-work tokens per step."""
+        self.shares: Optional[dict[str, float]] = None
+        """Smoothed window shares: admission window full, trainer starved; KV use; decode slowdown."""
+        self.last_move_step: Optional[int] = None
 
-    def initial_plan(self) -> RolePlan:
-        """Cold start: the fewest trainer ranks (colocated), everything else generates."""
-        n_train = self.config.min_trainer_ranks
-        roles = {r: (Role.ACTOR_REF if r < n_train else Role.ROLLOUT) for r in range(self.world_size)}
-        return RolePlan(roles, RA2PMode.COLOCATED, reason="cold start: maximal rollout", step=-1, changed=True)
+    # ------------------------------------------------------------------ plans
+    def initial_plan(self, rollout_share: float) -> RolePlan:
+        """The starting split: round(share x world) rollout ranks (the highest ids), colocated."""
+        n_roll = self._clamp_rollout(round(rollout_share * self.world_size))
+        roles = {r: (Role.ROLLOUT if r >= self.world_size - n_roll else Role.ACTOR_REF)
+                 for r in range(self.world_size)}
+        return RolePlan(roles, RA2PMode.COLOCATED, reason="initial split", step=-1, changed=True)
 
-    def plan(self, current: RolePlan, deficits: Deficits, *, step: int, cold_start: bool = False,
-             eval_phase: bool = False, rollout_load: Optional[Mapping[int, float]] = None) -> RolePlan:
-        """The role plan for the next step, given the deficits measured up to `step`."""
-        if set(current.roles) != set(range(self.world_size)):
-            raise ValueError("current plan must cover ranks 0..world_size-1")
+    def plan(self, current: RolePlan, m: ERSMeasurements, times: MicroBatchTimes, *, step: int,
+             rollout_load: Optional[Mapping[int, float]] = None) -> RolePlan:
+        """The role plan for the next step from the window's measurements (module docstring).
+
+        `current`: the reactive plan in force (not a loan). `times`: RA2P's per-micro-batch
+        compute times (measured by the executors). `rollout_load`: resident tokens per rollout
+        rank, to pick which rank to reclaim.
+        """
+        self._check(current)
         if not self.config.enabled:
             return self._keep(current, step, "ERS disabled")
-        generation = deficits.generation
-        consumption = deficits.consumption and not generation
-        self.generation_streak = self.generation_streak + 1 if generation else 0
-        self.consumption_streak = self.consumption_streak + 1 if consumption else 0
+        self._observe(m)
+        r_now = len(current.rollout_ranks)
+        n_roll, target, why = self._decide(r_now)
+        cooling = self.last_move_step is not None and step - self.last_move_step <= self.config.cooldown_steps
+        if n_roll != r_now and cooling:
+            n_roll, why = r_now, f"cooldown after the move at step {self.last_move_step} ({why})"
+        if n_roll != r_now:
+            self.last_move_step = step
+        layout = self._layout(self.world_size - n_roll, m, times)
+        roles = self._assign(current, n_roll, layout, rollout_load or {})
+        extras = {"target_rollout_ranks": target if target is not None else float(r_now),
+                  "trainer_rate": self.trainer_rate or 0.0, "rollout_rate": self.rollout_rate or 0.0,
+                  **self.shares, "mean_decode_batch": m.mean_decode_batch,
+                  "latency_colocated_s": layout.latency_colocated_s,
+                  "latency_decoupled_s": layout.latency_decoupled_s,
+                  "round_micro_batches": float(layout.round_micro_batches)}
+        return self._emit(current, roles, layout.mode, step, why, extras)
 
-        if cold_start or eval_phase:
-            roles, mode = self._maximal_rollout(current)
-            why = "cold start" if cold_start else "evaluation phase"
-            return self._emit(current, roles, mode, step, f"{why}: preemptive maximal rollout", reactive=False)
+    def preemptive_plan(self, base: RolePlan, *, keep_trainer_ranks: int, reason: str,
+                        rollout_load: Optional[Mapping[int, float]] = None) -> RolePlan:
+        """Maximal rollout for a phase where generation dominates (module docstring): all but
+        `keep_trainer_ranks` (at least the minimum) of `base`'s trainer ranks roll out, the rest
+        colocated. A loan: return to the reactive plan at the next boundary."""
+        self._check(base)
+        keep = max(self.config.min_trainer_ranks, min(keep_trainer_ranks, len(base.trainer_ranks)))
+        n_roll = self.world_size - keep
+        layout = TrainerLayout(RA2PMode.COLOCATED, keep, 0, math.nan, math.nan, 1)
+        roles = self._assign(base, n_roll, layout, rollout_load or {})
+        return self._emit(base, roles, RA2PMode.COLOCATED, base.step, f"{reason}: preemptive maximal rollout",
+                          {"kept_trainer_ranks": float(keep)})
 
-        in_cooldown = self.last_change_step is not None and step - self.last_change_step <= self.config.cooldown_steps
-        if in_cooldown:
-            return self._keep(current, step, "cooldown")
-        if self.generation_streak >= self.config.trigger_steps:
-            roles, mode = self._toward_generation(current)
-            return self._emit(current, roles, mode, step, "generation deficit: " + "; ".join(deficits.reasons))
-        if self.consumption_streak >= self.config.trigger_steps:
-            roles, mode = self._toward_consumption(current, rollout_load or {})
-            return self._emit(current, roles, mode, step, "consumption deficit: " + "; ".join(deficits.reasons))
-        return self._keep(current, step, "no sustained deficit")
+    def eval_trainer_ranks(self, expected_eval_s: float) -> int:
+        """Trainer ranks that still finish a step's work within `expected_eval_s` at the measured
+        trainer rate (all of the world when nothing is measured yet: no loan)."""
+        if not self.trainer_rate or not self.step_tokens or expected_eval_s <= 0:
+            return self.world_size
+        return max(self.config.min_trainer_ranks,
+                   math.ceil(self.step_tokens / (self.trainer_rate * expected_eval_s)))
 
-    # ------------------------------------------------------------------ transitions
-    def _maximal_rollout(self, current: RolePlan) -> tuple[dict[int, Role], RA2PMode]:
-        # Keep the current actor ranks that hold actor weights, lowest ids first.
-        actors = current.actor_ranks or current.trainer_ranks
-        keep = set(actors[: self.config.min_trainer_ranks])
-        for r in current.trainer_ranks:
-            if len(keep) >= self.config.min_trainer_ranks:
-                break
-            keep.add(r)
-        roles = {r: (Role.ACTOR_REF if r in keep else Role.ROLLOUT) for r in current.roles}
-        return roles, RA2PMode.COLOCATED
+    # ------------------------------------------------------------------ control law
+    def _observe(self, m: ERSMeasurements) -> None:
+        a = self.config.rate_ewma_alpha
 
-    def _toward_generation(self, current: RolePlan) -> tuple[dict[int, Role], RA2PMode]:
-        roles = dict(current.roles)
-        actors = [r for r in current.trainer_ranks if roles[r] in (Role.ACTOR, Role.ACTOR_REF)]
-        refs = [r for r in current.trainer_ranks if roles[r] is Role.REF]
-        for r in actors:
-            roles[r] = Role.ACTOR_REF
-        # Dedicated Ref ranks go to Rollout, unless the actors alone fall short of the minimum.
-        for r in refs:
-            roles[r] = Role.ACTOR_REF if len(actors) < self.config.min_trainer_ranks else Role.ROLLOUT
-            if roles[r] is Role.ACTOR_REF:
-                actors.append(r)
-        if not refs and len(actors) > self.config.min_trainer_ranks:
-            roles[max(actors)] = Role.ROLLOUT
-        return roles, RA2PMode.COLOCATED
+        def ewma(old: Optional[float], new: float) -> float:
+            return new if old is None else old + a * (new - old)
 
-    def _toward_consumption(self, current: RolePlan, load: Mapping[int, float]) -> tuple[dict[int, Role], RA2PMode]:
+        if m.trainer_busy_s > 0 and m.trainer_ranks > 0 and m.trained_tokens > 0:
+            self.trainer_rate = ewma(self.trainer_rate, m.trained_tokens / (m.trainer_busy_s * m.trainer_ranks))
+            self.step_tokens = ewma(self.step_tokens, float(m.trained_tokens))
+        if m.rollout_ranks > 0 and m.slots_full_s < self.config.slots_full_fraction * m.window_s:
+            open_s = m.window_s - m.slots_full_s
+            self.rollout_rate = ewma(self.rollout_rate, (m.fresh_tokens + m.eval_tokens) / (open_s * m.rollout_ranks))
+        new = {"full_share": min(1.0, m.slots_full_s / m.window_s),
+               "starved_share": min(1.0, m.trainer_starved_s / m.window_s),
+               "kv_used_fraction": m.kv_used_fraction, "decode_slowdown": m.decode_slowdown}
+        old = self.shares or new
+        self.shares = {k: ewma(old[k], v) for k, v in new.items()}
+
+    def _decide(self, r_now: int) -> tuple[int, Optional[float], str]:
+        """(rollout ranks for the next step, target R* or None, reason), from smoothed signals."""
         cfg = self.config
-        roles = dict(current.roles)
-        rollout = current.rollout_ranks
-        spare = len(rollout) > cfg.min_rollout_ranks and cfg.max_trainer_scale_up_per_step >= 1
-        reclaim = min(rollout, key=lambda r: (load.get(r, 0.0), -r)) if spare else None
-        if current.mode is RA2PMode.COLOCATED:
-            actors = current.actor_ranks
-            if reclaim is not None:
-                for r in actors:
-                    roles[r] = Role.ACTOR
-                roles[reclaim] = Role.REF
-                return roles, RA2PMode.DECOUPLED
-            if len(actors) - 1 >= cfg.min_trainer_ranks:
-                # No rank to spare: turn one colocated rank into the Ref; decoupling still
-                # removes every model swap, which is what a backlog pays for.
-                for r in actors:
-                    roles[r] = Role.ACTOR
-                roles[max(actors)] = Role.REF
-                return roles, RA2PMode.DECOUPLED
-            return roles, current.mode
-        if reclaim is None:
-            return roles, current.mode
-        n_actor = len(current.ranks_with(Role.ACTOR))
-        n_ref = len(current.ranks_with(Role.REF))
-        roles[reclaim] = Role.REF if n_actor > cfg.actors_per_ref * n_ref else Role.ACTOR
-        return roles, RA2PMode.DECOUPLED
+        sh = self.shares
+        starved = sh["starved_share"] >= cfg.starved_fraction
+        if sh["full_share"] >= cfg.slots_full_fraction:
+            room = r_now >= 2 and sh["kv_used_fraction"] * r_now / (r_now - 1) <= cfg.kv_headroom
+            slow = sh["decode_slowdown"] > 1 + cfg.decode_slowdown
+            if not starved and not slow and room:
+                return self._move(r_now, -1), None, (
+                    f"rollout over-provisioned: admission window full {sh['full_share']:.0%} of the step, "
+                    f"decode at {sh['decode_slowdown']:.2f}x its floor, KV at {sh['kv_used_fraction']:.0%}, "
+                    f"trainer starved {sh['starved_share']:.0%}")
+            if starved and slow:
+                return self._move(r_now, +1), None, (
+                    f"trajectories slowed by decode batching ({sh['decode_slowdown']:.2f}x the floor) while the "
+                    f"trainer starved {sh['starved_share']:.0%} of the step")
+            return r_now, None, "window full: the staleness bound, not the split, limits the pipeline"
+        if not self.trainer_rate or not self.rollout_rate:
+            return r_now, None, "rates not measured yet"
+        r_t, r_r, n = self.trainer_rate, self.rollout_rate, self.world_size
+        target = n * r_t / (r_t + r_r)
+
+        def predicted(r: int) -> float:
+            return min(r * r_r, (n - r) * r_t)
+
+        k = cfg.max_moves_per_step
+        options = sorted({self._clamp_rollout(r) for r in range(r_now - k, r_now + k + 1)},
+                         key=lambda r: (-predicted(r), abs(r - r_now)))
+        best = options[0]
+        if predicted(best) <= predicted(r_now) * (1 + cfg.deadband):
+            best = r_now
+        return best, target, (f"balance: trainer {r_t:.0f} tok/rank-s, rollout {r_r:.0f} tok/rank-s -> "
+                              f"R* = {target:.1f}; predicted {predicted(r_now):.0f} -> {predicted(best):.0f} tok/s")
+
+    def _move(self, r_now: int, direction: int) -> int:
+        return self._clamp_rollout(r_now + direction * min(1, self.config.max_moves_per_step))
+
+    def _layout(self, trainer_ranks: int, m: ERSMeasurements, times: MicroBatchTimes) -> TrainerLayout:
+        if not self.step_tokens:
+            return TrainerLayout(RA2PMode.COLOCATED, trainer_ranks, 0, math.nan, math.nan, 1)
+        return trainer_layout(trainer_ranks, ras_tokens=m.ras_tokens, arrival_tokens_per_s=m.arrival_tokens_per_s,
+                              step_tokens=self.step_tokens, times=times, cfg=self.ra2p)
+
+    # ------------------------------------------------------------------ roles
+    def _clamp_rollout(self, n_roll: int) -> int:
+        lo = max(1, self.config.min_rollout_ranks)
+        return max(lo, min(self.world_size - self.config.min_trainer_ranks, n_roll))
+
+    def _assign(self, current: RolePlan, n_roll: int, layout: TrainerLayout,
+                load: Mapping[int, float]) -> dict[int, Role]:
+        rollout = list(current.rollout_ranks)
+        trainer = list(current.trainer_ranks)
+        while len(rollout) > n_roll:  # reclaim the least loaded rollout rank
+            r = min(rollout, key=lambda k: (load.get(k, 0.0), -k))
+            rollout.remove(r)
+            trainer.append(r)
+        while len(rollout) < n_roll:  # release the highest trainer rank
+            r = max(trainer)
+            trainer.remove(r)
+            rollout.append(r)
+        trainer.sort()
+        roles = {r: Role.ROLLOUT for r in rollout}
+        if layout.mode is RA2PMode.DECOUPLED and layout.ref_ranks:
+            refs = set(trainer[len(trainer) - layout.ref_ranks:])
+            roles.update({r: (Role.REF if r in refs else Role.ACTOR) for r in trainer})
+        else:
+            roles.update({r: Role.ACTOR_REF for r in trainer})
+        return roles
 
     # ------------------------------------------------------------------ bookkeeping
+    def _check(self, plan: RolePlan) -> None:
+        if set(plan.roles) != set(range(self.world_size)):
+            raise ValueError("plan must cover ranks 0..world_size-1")
+
     def _emit(self, current: RolePlan, roles: dict[int, Role], mode: RA2PMode, step: int, reason: str,
-              reactive: bool = True) -> RolePlan:
+              extras: dict[str, float]) -> RolePlan:
         changed = mode is not current.mode or any(roles[r] is not current.roles[r] for r in roles)
-        gained = len([r for r in roles if roles[r].is_trainer]) - len(current.trainer_ranks)
-        if reactive and gained > self.config.max_trainer_scale_up_per_step:
-            raise AssertionError(f"plan grows the trainer by {gained} ranks")  # a bug, never policy
-        if changed:
-            self.generation_streak = self.consumption_streak = 0
-            self.last_change_step = step
-        return RolePlan(roles, mode, reason=reason if changed else f"{reason} (no feasible change)",
-                        step=step, changed=changed, extras=self._extras())
+        return RolePlan(roles, mode, reason=reason, step=step, changed=changed, extras=extras)
 
     def _keep(self, current: RolePlan, step: int, reason: str) -> RolePlan:
-        return RolePlan(dict(current.roles), current.mode, reason=reason, step=step, changed=False,
-                        extras=self._extras())
-
-    def _extras(self) -> dict[str, float]:
-        return {"generation_streak": float(self.generation_streak),
-                "consumption_streak": float(self.consumption_streak)}
-
-
-def readiness_deficits(buffer: GlobalBuffer, now: float, *, n_micro_batches: int, times: MicroBatchTimes,
-                       ra2p: RA2PConfig, dp_size: int) -> tuple[Deficits, float]:
-    """The ERS input at the planning point: (deficits, decoupled break-even RAS).
-
-    Glue for callers that own a `GlobalBuffer`: reads its smoothed estimate and the current
-    head-of-line age, computes the break-even RAS for the smoothed TPRM with RA2P's cost model
-    (`n_micro_batches` per step on `dp_size` actor ranks), and classifies.
-    """
-    estimate = buffer.estimate()
-    be = break_even_ras(estimate.tprm_s, n_micro_batches, times, ra2p, dp_size)
-    ready_mb = buffer.ready_tokens() / buffer.signals.micro_batch_tokens
-    deficits = detect_deficits(estimate, buffer.head_of_line_latency(now), b_ideal=buffer.config.b_ideal,
-                               break_even_ras=be, hol_tau=buffer.signals.hol_tau, ready_micro_batches=ready_mb)
-    return deficits, be
+        return RolePlan(dict(current.roles), current.mode, reason=reason, step=step, changed=False)

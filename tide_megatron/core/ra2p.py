@@ -32,13 +32,25 @@ R = min(floor(RAS), N) the ready ones; the other N - R arrive every TPRM.
     arrival-bound  (N - R) * TPRM + max(t_r, f_a) + b_a + p     (only when R < N)
   Colocated latency. Aggregation rounds: at time t the micro-batches that have arrived and
   are not yet processed, at most `aggregation_limit` of them, form one round costing
-  2s + k (f_r + f_a + b_a) (Ref in, k Ref forwards, Actor back, k actor passes); if none is
-  waiting, idle until the next arrival. A fast stream (short TPRM) or a backlog larger than
-  the aggregate (high RAS) therefore multiplies swaps; a sparse stream costs one round per
-  arrival but keeps no Ref rank idle.
+  2s + k (f_r + f_a + b_a) (Ref in, k Ref forwards, Actor back, k actor passes); a round
+  starts once `min_round` of them wait (or the rest of the step), else the ranks idle until
+  the next arrival. A fast stream (short TPRM) or a backlog larger than the aggregate (high
+  RAS) therefore multiplies swaps; a sparse stream costs one round per arrival but keeps no
+  Ref rank idle. `colocated_round_size` picks the `min_round` the model finds fastest: it is
+  what the executor waits for before it loads the Ref (rounds sized by the cost model).
   Costs are GPU-seconds, latency x ranks held: C_dec = (D + F) L_dec, C_col = D L_col. Pure
   latency would always favour decoupled (it never swaps); what the paper trades is a Ref rank
   that sits idle on a sparse stream and could be generating on Rollout instead.
+
+Units. Readiness is measured in tokens (`core.signals`); `trainer_layout` converts it with the
+micro-batch of the layout it evaluates (D x tokens_per_rank), so RAS, TPRM and the cost model
+always count the same micro-batch.
+
+Just-in-time feeding (`should_feed`): a running step is fed ready work in saturating
+micro-batches. Decoupled: one micro-batch as soon as D x tokens_per_rank tokens are ready, or
+whatever is ready when the actor would otherwise idle (a trickle of a few sequences over many
+actor ranks leaves most of them idle); colocated: a round once `round_micro_batches` are ready.
+Either way the last of the step goes as soon as it is all there.
 """
 
 from __future__ import annotations
@@ -64,20 +76,28 @@ class RA2PConfig:
     """Extra decoupled start-up latency (log-prob transfer, stream set-up) beyond the first Ref pass."""
     actors_per_ref: int = 3
     """Actor ranks one dedicated Ref rank serves (a forward is about 1/3 of forward+backward)."""
-    aggregation_limit: int = 4
+    aggregation_limit: Optional[int] = 4
     """Most ready micro-batches one colocated Ref load serves (their inputs and ref log-probs
-    stay on GPU for the zero-copy hand-off to the Actor, which bounds the aggregate)."""
+    stay on GPU for the zero-copy hand-off to the Actor, which bounds the aggregate); None:
+    every ready one. The executor must use the same value: the simulator's colocated rounds
+    read it from here, the real colocated executor takes it as
+    `ColocatedConfig(aggregation_limit=...)`."""
 
     def __post_init__(self) -> None:
-        if min(self.tokens_per_rank, self.final_sequences_per_rank, self.actors_per_ref, self.aggregation_limit) <= 0:
-            raise ValueError("tokens_per_rank, final_sequences_per_rank, actors_per_ref and "
-                             "aggregation_limit must be positive")
+        if min(self.tokens_per_rank, self.final_sequences_per_rank, self.actors_per_ref) <= 0:
+            raise ValueError("tokens_per_rank, final_sequences_per_rank and actors_per_ref must be positive")
+        if self.aggregation_limit is not None and self.aggregation_limit <= 0:
+            raise ValueError("aggregation_limit must be positive or None")
         if self.swap_cost_s < 0 or self.pipeline_fill_s < 0:
             raise ValueError("costs must be >= 0")
 
     def ref_ranks_for(self, dp_size: int) -> int:
         """Dedicated Ref ranks for `dp_size` actor ranks in decoupled mode (nearest ratio, >= 1)."""
         return max(1, int(dp_size / self.actors_per_ref + 0.5))
+
+    def micro_batch_tokens(self, dp_size: int) -> int:
+        """Tokens of one saturating micro-batch on `dp_size` actor ranks."""
+        return self.tokens_per_rank * dp_size
 
 
 @dataclass(frozen=True)
@@ -113,27 +133,53 @@ def decoupled_latency(ras: float, tprm_s: float, n: int, times: MicroBatchTimes,
     return max(compute_bound, arrival_bound)
 
 
-def colocated_latency(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig) -> float:
-    """L_col: step latency with ready-batch aggregation on shared ranks (see module docstring)."""
+def colocated_latency(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig,
+                      min_round: int = 1) -> float:
+    """L_col: step latency with ready-batch aggregation on shared ranks (see module docstring).
+
+    A round starts once `min_round` micro-batches wait (or every one the step still lacks).
+    """
     if n <= 0:
         return 0.0
+    if min_round < 1:
+        raise ValueError("min_round must be >= 1")
     r = _ready_count(ras, n)
     per_mb = times.ref_fwd_s + times.actor_fwd_s + times.actor_bwd_s
+    limit = cfg.aggregation_limit or n
 
     def arrived(t: float) -> int:
         if tprm_s <= 0:
             return n
+        if math.isinf(tprm_s):
+            return r
         return min(n, r + math.floor(t / tprm_s + 1e-9))
 
     t, done = 0.0, 0
     while done < n:
-        k = min(arrived(t) - done, cfg.aggregation_limit)
-        if k == 0:
-            t = (done - r + 1) * tprm_s  # idle until the next micro-batch is ready
+        waiting = arrived(t) - done
+        if waiting < min(min_round, n - done):
+            if math.isinf(tprm_s):
+                return math.inf  # the rest never arrives
+            # idle until enough micro-batches are ready
+            t = max(t, (done + min(min_round, n - done) - r) * tprm_s)
             continue
+        k = min(waiting, limit)
         t += 2 * cfg.swap_cost_s + k * per_mb
         done += k
     return t
+
+
+def colocated_round_size(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig) -> int:
+    """The `min_round` (micro-batches a colocated round waits for) with the lowest modelled
+    step latency; ties go to the smaller round (less waiting)."""
+    if n <= 0:
+        return 1
+    best, best_t = 1, math.inf
+    for k in range(1, min(n, cfg.aggregation_limit or n) + 1):
+        t = colocated_latency(ras, tprm_s, n, times, cfg, min_round=k)
+        if t < best_t - 1e-9:
+            best, best_t = k, t
+    return best
 
 
 @dataclass(frozen=True)
@@ -181,6 +227,70 @@ def choose_mode(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: 
     c_dec, c_col, l_dec, l_col = mode_costs(ras, tprm_s, n, times, cfg, dp_size)
     mode = RA2PMode.DECOUPLED if ref_rank_available and c_dec < c_col else RA2PMode.COLOCATED
     return ModeChoice(mode, c_dec, c_col, l_dec, l_col, break_even_ras(tprm_s, n, times, cfg, dp_size))
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """How `trainer_ranks` ranks run the next step: RA2P mode, actor and dedicated Ref ranks."""
+
+    mode: RA2PMode
+    actor_ranks: int
+    """D: actor DP ranks (ACTOR, or ACTOR_REF when colocated)."""
+    ref_ranks: int
+    """F: dedicated Ref ranks (0 when colocated)."""
+    latency_colocated_s: float
+    latency_decoupled_s: float
+    """inf when `trainer_ranks` cannot host a decoupled pipeline (fewer than two ranks)."""
+    round_micro_batches: int
+    """Colocated: micro-batches a round waits for (`colocated_round_size`)."""
+
+
+def trainer_layout(trainer_ranks: int, *, ras_tokens: float, arrival_tokens_per_s: float, step_tokens: float,
+                   times: MicroBatchTimes, cfg: RA2PConfig) -> TrainerLayout:
+    """The RA2P mode for a trainer of `trainer_ranks` ranks, from readiness measured in tokens.
+
+    Both candidates hold the same ranks (ERS fixed the trainer's size), so their step latencies
+    compare directly: colocated on all of them, or decoupled with F = round(T / (actors_per_ref
+    + 1)) of them as Ref ranks. Each candidate's micro-batch is D x tokens_per_rank, and RAS,
+    TPRM and the step's micro-batch count are converted with it. Ties go to colocated.
+    """
+    if trainer_ranks < 1:
+        raise ValueError("trainer_ranks must be >= 1")
+
+    def signals(dp: int) -> tuple[float, float, int]:
+        mb = cfg.micro_batch_tokens(dp)
+        tprm = mb / arrival_tokens_per_s if arrival_tokens_per_s > 0 else math.inf
+        return ras_tokens / mb, tprm, max(1, math.ceil(step_tokens / mb))
+
+    ras_c, tprm_c, n_c = signals(trainer_ranks)
+    k = colocated_round_size(ras_c, tprm_c, n_c, times, cfg)
+    l_col = colocated_latency(ras_c, tprm_c, n_c, times, cfg, min_round=k)
+    l_dec, f = math.inf, 0
+    if trainer_ranks >= 2:
+        f = min(trainer_ranks - 1, max(1, round(trainer_ranks / (cfg.actors_per_ref + 1))))
+        ras_d, tprm_d, n_d = signals(trainer_ranks - f)
+        l_dec = decoupled_latency(ras_d, tprm_d, n_d, times, cfg, trainer_ranks - f, f)
+    if l_dec < l_col:
+        return TrainerLayout(RA2PMode.DECOUPLED, trainer_ranks - f, f, l_col, l_dec, k)
+    return TrainerLayout(RA2PMode.COLOCATED, trainer_ranks, 0, l_col, l_dec, k)
+
+
+def should_feed(mode: RA2PMode, ready_tokens: int, dp_size: int, cfg: RA2PConfig, *, trainer_idle: bool,
+                completes_step: bool, round_micro_batches: int = 1) -> bool:
+    """Just-in-time feeding of a running step (module docstring): True when the ready work
+    should go to the trainer now, False to let it accumulate into a fuller micro-batch/round.
+
+    `trainer_idle`: the trainer has nothing left to compute. `completes_step`: what is ready is
+    all the step still needs. `round_micro_batches`: the colocated round size.
+    """
+    if ready_tokens <= 0:
+        return False
+    if completes_step:
+        return True
+    mb = cfg.micro_batch_tokens(dp_size)
+    if mode is RA2PMode.DECOUPLED:
+        return ready_tokens >= mb or trainer_idle
+    return ready_tokens >= round_micro_batches * mb
 
 
 # ---------------------------------------------------------------------- micro-batch planning

@@ -14,7 +14,8 @@ from typing import List
 
 from omegaconf import MISSING
 
-MODES = ("sync", "async_static", "stream", "tide")
+MODES = ("sync", "async_static", "stream", "elastic", "tide")
+STALENESS_RULES = ("cancel", "drop")
 
 
 @dataclass
@@ -145,7 +146,19 @@ class SchedulerConfig:
     """Knobs of the scheduling modes (the mode itself is `SimConfig.mode`)."""
 
     rollout_share: float = 0.25
-    """Fraction of ranks doing rollout in async_static / stream (and TIDE's starting point)."""
+    """Fraction of ranks doing rollout in async_static / stream, and the standalone rollout
+    share of `elastic` (the verl-like peer); swept by the benchmark."""
+    initial_rollout_share: float = 0.5
+    """TIDE's starting split: a fixed prior (half the ranks roll out) that no sweep informs;
+    ERS moves from here."""
+    staleness_rule: str = "cancel"
+    """How the staleness bound is enforced (every mode). "cancel" (the real system's rule): a
+    group admitted at version v must be consumed by the step that trains version v + bound;
+    its trajectories run across weight updates (next turn re-prefilled under the new weights,
+    each turn's version recorded), and a group that can no longer make its deadline is
+    cancelled at once, its tokens booked as wasted. "drop" (the earlier rule, kept for
+    comparison): each trajectory's version is its own admission version; groups run to the
+    end and are dropped when found stale at completion or fetch."""
     ra2p: bool = True
     """TIDE: RA2P mode selection (otherwise streaming with per-micro-batch swaps)."""
     ers: bool = True
@@ -156,14 +169,21 @@ class SchedulerConfig:
     """Tokens per actor DP rank in one micro-batch."""
     ref_actor_ratio: int = 3
     """Actor ranks served by one dedicated REF rank in decoupled mode (ref fwd = 1/3 of actor)."""
-    ers_tau: float = 0.5
-    """ERS: consumption deficit when the head-of-line latency exceeds tau x mean step time."""
     ers_max_moves: int = 1
     """ERS: ranks moved per step at most (the paper bounds trainer scale-up to one per step)."""
+    ers_preemptive: bool = True
+    """ERS: preemptive maximal rollout at cold start and during evaluation phases (loans)."""
     min_rollout_share: float = 0.125
     """Lowest rollout share ERS may reach."""
     max_rollout_share: float = 0.875
     """Highest rollout share ERS may reach."""
+
+    def __post_init__(self) -> None:
+        if self.staleness_rule not in STALENESS_RULES:
+            raise ValueError(f"scheduler.staleness_rule must be one of {STALENESS_RULES}, got {self.staleness_rule!r}")
+        for name in ("rollout_share", "initial_rollout_share", "min_rollout_share", "max_rollout_share"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"scheduler.{name} must be in (0, 1), got {getattr(self, name)}")
 
 
 @dataclass
@@ -171,7 +191,7 @@ class SimConfig:
     """One simulation run."""
 
     mode: str = "tide"
-    """Scheduling mode: sync | async_static | stream | tide."""
+    """Scheduling mode: sync | async_static | stream | elastic (verl-like dynamic scaling) | tide."""
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     """The GPU model."""
     model: ModelConfig = field(default_factory=ModelConfig)

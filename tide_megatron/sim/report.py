@@ -56,7 +56,7 @@ def plot_goodput_bars(rows: Sequence[tuple], path, title: str) -> None:
     ax.bar(range(len(values)), values)
     ideal = [r[1] for r in rows if r[0] == "ideal"]
     if ideal:
-        ax.axhline(ideal[0], color="k", ls="--", lw=1, label="ideal bound (workload)")
+        ax.axhline(ideal[0], color="k", ls="--", lw=1, label="attainable bound")
         ax.legend(fontsize=7)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)

@@ -2,7 +2,9 @@
 
 A trajectory's life: submitted -> admitted onto a rank (takes an env slot, env reset) ->
 [turn: submit to the engine, decode, env step] x n -> done (booked in the global buffer by the
-simulator). Pausing drops its KV; resuming places it on a rank again (fresh prefill).
+simulator). Pausing drops its KV; resuming places it on a rank again (fresh prefill). A
+trajectory whose group missed its staleness deadline is cancelled wherever it is: its decode
+stops, its KV and env slot are released at once.
 
 Who goes where is a `PlacementPolicy`'s decision:
 
@@ -76,12 +78,18 @@ class RequestLevelPolicy(PlacementPolicy):
         if not heap:
             return
         while self.homeless:
+            traj = self.homeless.popleft()
+            if traj.cancelled:
+                continue
             n, rid = heapq.heappop(heap)
-            c.resume(self.homeless.popleft(), rid, now)
+            c.resume(traj, rid, now)
             heapq.heappush(heap, (n + 1, rid))
         while self.queue and c.live < c.env_concurrency:
+            traj = self.queue.popleft()
+            if traj.cancelled:
+                continue
             n, rid = heapq.heappop(heap)
-            c.admit(self.queue.popleft(), rid, now)
+            c.admit(traj, rid, now)
             heapq.heappush(heap, (n + 1, rid))
 
     def on_rank_removed(self, rank_id: int, residents: List[Trajectory]) -> None:
@@ -92,12 +100,13 @@ class RolloutCluster:
     """All rollout ranks and the env slots; executes the placement policy's decisions."""
 
     def __init__(self, loop: EventLoop, hw: HardwareModel, policy: PlacementPolicy, env_concurrency: int,
-                 on_done: Callable[[Trajectory], None]):
+                 on_done: Callable[[Trajectory], None], on_admit: Callable[[Trajectory], None]):
         self.loop = loop
         self.hw = hw
         self.policy = policy
         self.env_concurrency = env_concurrency
         self.on_done = on_done
+        self.on_admit = on_admit
         self.ranks: Dict[int, RolloutRank] = {}
         self.active: set = set()
         self.live = 0  # trajectories holding an env slot
@@ -152,9 +161,13 @@ class RolloutCluster:
 
     def admit(self, traj: Trajectory, rank_id: int, now: float) -> None:
         """New task onto a rank: it takes an env slot and the env resets."""
+        if traj.cancelled:  # its group was cancelled while this member still queued
+            self.policy.on_finished(traj)
+            return
         self.live += 1
+        traj.admitted = True
         traj.start_time = now
-        traj.version = self.version
+        self.on_admit(traj)
         self.ranks[rank_id].place(traj)
         traj.env_busy = True
         self.loop.after(traj.reset_s, self._env_done, traj)
@@ -178,6 +191,26 @@ class RolloutCluster:
         traj.paused = True
         self.pauses += 1
 
+    def cancel(self, traj: Trajectory, now: float) -> int:
+        """Stop a trajectory of a cancelled group; returns the tokens it had generated."""
+        if traj.cancelled or traj.end_time >= 0:
+            return 0
+        traj.cancelled = True
+        tokens = traj.generated_so_far
+        rank = self.ranks.get(traj.rank) if traj.rank >= 0 else None
+        if rank is not None:
+            tokens += rank.progress(traj, now)
+            rank.abort(traj, now)
+            self._started(rank.release(traj, now))
+            self._reschedule(rank)
+            traj.rank = -1
+        if traj.admitted:
+            traj.admitted = False
+            self.live -= 1
+            self.policy.on_finished(traj)
+            self.kick()
+        return tokens
+
     # ---------------------------------------------------------------------------- dispatch
     def kick(self) -> None:
         """Run the policy once, at the current instant or at the policy's next decision tick
@@ -194,6 +227,8 @@ class RolloutCluster:
             self.policy.dispatch(self.loop.now)
 
     def _submit(self, traj: Trajectory, rank: RolloutRank, now: float) -> None:
+        if len(traj.segment_versions) <= traj.turn:
+            traj.segment_versions.append(self.version)
         rank.submit(traj, now)
         if rank.is_running(traj):
             self.policy.on_turn_started(traj)
@@ -205,17 +240,25 @@ class RolloutCluster:
 
     # ------------------------------------------------------------------------------ events
     def _reschedule(self, rank: RolloutRank) -> None:
+        """Make sure a wake-up is pending no later than the rank's next turn end. Lazy: a
+        pending wake-up that is due earlier stays (it finds nothing due, and reschedules), so a
+        burst of submissions costs one event, not one per submission."""
         t = rank.next_wake()
-        if t is not None:
-            self.loop.at(t, self._wake, rank.rank_id, rank.version)
-
-    def _wake(self, rank_id: int, version: int) -> None:
-        rank = self.ranks[rank_id]
-        if version != rank.version or rank_id not in self.active:
+        if t is None or (rank.wake_at is not None and rank.wake_at <= t + 1e-9):
             return
+        rank.wake_token += 1
+        rank.wake_at = t
+        self.loop.at(t, self._wake, rank.rank_id, rank.wake_token)
+
+    def _wake(self, rank_id: int, token: int) -> None:
+        rank = self.ranks[rank_id]
+        if token != rank.wake_token or rank_id not in self.active:
+            return
+        rank.wake_at = None
         now = self.loop.now
         done, started = rank.wake(now)
         for traj in done:
+            traj.generated_so_far += traj.gen[traj.turn]
             traj.env_busy = True
             self.policy.on_turn_finished(traj)
             self.loop.after(traj.env_s[traj.turn], self._env_done, traj)
@@ -226,6 +269,8 @@ class RolloutCluster:
 
     def _env_done(self, traj: Trajectory) -> None:
         """The env answered (reset, or a step): next turn, or the trajectory is over."""
+        if traj.cancelled:
+            return
         now = self.loop.now
         traj.env_busy = False
         rank = self.ranks.get(traj.rank) if traj.rank >= 0 else None
@@ -248,6 +293,7 @@ class RolloutCluster:
             self._started(rank.release(traj, now))
             self._reschedule(rank)
         self.live -= 1
+        traj.admitted = False
         traj.end_time = now
         self.policy.on_finished(traj)
         self.on_done(traj)

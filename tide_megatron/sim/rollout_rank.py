@@ -42,6 +42,12 @@ class RankStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    batch_seq_s: float = 0.0
+    """Integral of the running sequences over decode time (mean decode batch = this / decode_s)."""
+    kv_token_s: float = 0.0
+    """Integral of the KV tokens held over time (mean KV use = this / time)."""
+    iterations: float = 0.0
+    """Decode iterations run (mean iteration time = decode_s / iterations)."""
     evictions: int = 0
     idle_s: float = 0.0
     """Time with nothing to decode or prefill (rollout waiting time, RWT)."""
@@ -63,6 +69,14 @@ class RolloutRank:
         self.hw = hw
         self.capacity = hw.kv_capacity_tokens
         self.pinned = pinned
+        # decode cost constants, read on every event (see HardwareModel.decode_iteration_s)
+        self._w = hw.decode_weight_s
+        self._c = hw.decode_token_compute_s
+        self._kv = hw.decode_kv_s_per_token
+        self.wake_token = 0
+        """Identifies the one pending wake-up event that is valid (the cluster's lazy schedule)."""
+        self.wake_at: Optional[float] = None
+        """Time of the pending wake-up event, None when none is pending."""
         self.stats = RankStats()
         self.reset(0.0)
 
@@ -80,44 +94,49 @@ class RolloutRank:
         self.queue: Deque[Trajectory] = deque()
         self.resident: Dict[int, Trajectory] = {}  # every trajectory placed here and not done
         self.footprint = 0  # sum of resident trajectories' next-turn footprints (CTB ledger)
-        self.version = 0  # bumps whenever the next wake time may change
+        self.wake_token = getattr(self, "wake_token", 0) + 1  # drops any pending wake-up
+        self.wake_at = None
 
     # -------------------------------------------------------------------------------- clock
     def _rates(self) -> tuple:
         n = len(self.running)
-        a = self.hw.decode_base_s(n) + self.hw.decode_kv_s_per_token * self.s0
-        b = self.hw.decode_kv_s_per_token * n
-        return a, b
+        base = self._w if self._w >= n * self._c else n * self._c
+        return base + self._kv * self.s0, self._kv * n
 
     def advance(self, now: float) -> None:
         """Move the decode clock to wall time `now`."""
-        start = max(self.last_t, self.freeze_until)
-        self.last_t = max(self.last_t, now)
+        last = self.last_t
+        if now <= last:
+            return
+        stats = self.stats
+        stats.kv_token_s += self.used * (now - last)
+        self.last_t = now
+        start = last if last >= self.freeze_until else self.freeze_until
         if now <= start:
             return
-        if not self.running:
-            self.stats.idle_s += now - start
-            return
+        n = len(self.running)
         dt = now - start
+        if not n:
+            stats.idle_s += dt
+            return
+        stats.batch_seq_s += n * dt
         a, b = self._rates()
         slope = a + b * self.vclock
-        if b <= 0:
-            dv = dt / slope
-        else:
-            dv = (-slope + math.sqrt(slope * slope + 2 * b * dt)) / b
+        dv = (-slope + math.sqrt(slope * slope + 2 * b * dt)) / b if b > 0 else dt / slope
         self.vclock += dv
-        self.stats.decode_s += dt
-
-    def _time_for(self, dv: float) -> float:
-        a, b = self._rates()
-        return (a + b * self.vclock) * dv + 0.5 * b * dv * dv
+        stats.iterations += dv
+        stats.decode_s += dt
 
     def next_wake(self) -> Optional[float]:
         """Wall time at which the next running turn finishes (None: nothing running)."""
         if not self._finish:
             return None
-        dv = max(0.0, self._finish[0][0] - self.vclock)
-        return max(self.last_t, self.freeze_until) + self._time_for(dv)
+        dv = self._finish[0][0] - self.vclock
+        if dv < 0.0:
+            dv = 0.0
+        a, b = self._rates()
+        start = self.last_t if self.last_t >= self.freeze_until else self.freeze_until
+        return start + (a + b * self.vclock) * dv + 0.5 * b * dv * dv
 
     # ------------------------------------------------------------------------------- KV cache
     def _evict_for(self, need: int, force: bool = False) -> None:
@@ -193,7 +212,6 @@ class RolloutRank:
         self.running[traj.traj_id] = (traj, self.vclock, reserved)
         self.s0 += ctx - self.vclock
         heapq.heappush(self._finish, (self.vclock + gen, traj.traj_id))
-        self.version += 1
 
     def wake(self, now: float) -> tuple:
         """Finish every turn due by `now`: (finished trajectories, queued ones that started)."""
@@ -217,7 +235,6 @@ class RolloutRank:
             done.append(traj)
         started: List[Trajectory] = []
         if done:
-            self.version += 1
             started = self._drain_queue(now)
         return done, started
 
@@ -235,7 +252,6 @@ class RolloutRank:
             _, start_v, reserved = entry
             self.s0 -= traj.context - start_v
             self.used -= reserved
-            self.version += 1
         if traj in self.queue:
             self.queue.remove(traj)
 
@@ -246,7 +262,6 @@ class RolloutRank:
         tokens = self.cache.pop(traj.traj_id, 0)
         self.used -= tokens
         if tokens and self.queue:
-            self.version += 1
             return self._drain_queue(now)
         return []
 
@@ -267,7 +282,6 @@ class RolloutRank:
         extra = self.hw.prefill_s(redo) if redo else 0.0
         self.stats.prefill_s += extra
         self.freeze_until = max(now, self.freeze_until) + stall_s + extra
-        self.version += 1
 
     # ------------------------------------------------------------------------------ queries
     def waiting_trajectories(self) -> List[Trajectory]:
@@ -277,4 +291,12 @@ class RolloutRank:
 
     def is_running(self, traj: Trajectory) -> bool:
         return traj.traj_id in self.running
+
+    def progress(self, traj: Trajectory, now: float) -> int:
+        """Tokens `traj`'s running turn has generated by `now` (0 if it is not running)."""
+        entry = self.running.get(traj.traj_id)
+        if entry is None:
+            return 0
+        self.advance(now)
+        return min(traj.gen[traj.turn], int(self.vclock - entry[1]))
 

@@ -4,8 +4,10 @@ The trainer consumes whole GRPO groups; how long a set of sequences takes depend
 and Actor share GPUs:
 
 - `aggregated_round`: Ref and Actor on the same ranks; load Ref, run every given micro-batch's
-  Ref forward, swap to Actor, run their forward+backward (RA2P colocated with ready-batch
-  aggregation; also the barrier baselines, whose "round" is the whole global batch).
+  Ref forward, swap to Actor, run their forward+backward (the barrier baselines, whose "round"
+  is the whole global batch).
+- `colocated_rounds`: RA2P colocated with ready-batch aggregation: the same, in rounds of at
+  most `RA2PConfig.aggregation_limit` micro-batches (the limit the cost model assumes).
 - `per_microbatch_alternation`: the same ranks alternate R1 -> A1 -> R2 -> A2 with a swap pair
   per micro-batch (StreamRL-like vanilla streaming with offload).
 - `DecoupledPipeline`: Ref on dedicated ranks streams log-probs; the actor's forward overlaps
@@ -71,6 +73,21 @@ def aggregated_round(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: 
     p = plan(lengths, dp, RA2PMode.COLOCATED, cfg)
     busiest = max(p.rank_tokens)
     return swaps * costs.swap_s(dp) + costs.ref_s(busiest) + costs.actor_s(busiest)
+
+
+def colocated_rounds(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: RA2PConfig) -> float:
+    """RA2P colocated: the fed micro-batches in rounds of at most `cfg.aggregation_limit`, each
+    round one Ref load, its Ref forwards, a swap back and its Actor passes."""
+    if not lengths:
+        return 0.0
+    p = plan(lengths, dp, RA2PMode.COLOCATED, cfg)
+    limit = cfg.aggregation_limit or len(p.micro_batches)
+    t = 0.0
+    for i in range(0, len(p.micro_batches), limit):
+        rnd = p.micro_batches[i:i + limit]
+        busiest = max(sum(mb.shard_tokens[r] for mb in rnd) for r in range(dp))
+        t += 2 * costs.swap_s(dp) + costs.ref_s(busiest) + costs.actor_s(busiest)
+    return t
 
 
 def per_microbatch_alternation(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: RA2PConfig) -> float:

@@ -20,9 +20,10 @@ from typing import List
 from tide_megatron.sim.config import TaskTypeConfig, WorkloadConfig
 
 
-@dataclass
+@dataclass(eq=False)
 class Trajectory:
-    """One multi-turn rollout: everything the simulator needs, drawn up front."""
+    """One multi-turn rollout: everything the simulator needs, drawn up front (compared by
+    identity: two trajectories with equal draws are still two tasks)."""
 
     traj_id: int
     group_id: int
@@ -43,7 +44,13 @@ class Trajectory:
     context: int = 0
     """Tokens in the context right now (prompt + all turns so far)."""
     version: int = -1
-    """Policy version when the trajectory started (staleness is measured from it)."""
+    """Policy version its staleness is measured from: the group's admission version (default
+    rule) or the trajectory's own admission version (legacy drop rule)."""
+    segment_versions: List[int] = field(default_factory=list)
+    """Engine policy version at the start of each turn (the weights that generated it); a
+    trajectory runs across weight updates, its next turn re-prefilled under the new weights."""
+    generated_so_far: int = 0
+    """Tokens of the turns whose decode has finished (what a cancellation books as wasted)."""
     rank: int = -1
     start_time: float = 0.0
     end_time: float = -1.0
@@ -52,6 +59,10 @@ class Trajectory:
     """The env is working on this trajectory's last action (or its reset)."""
     started: bool = False
     """The env reset is done (turns may run)."""
+    admitted: bool = False
+    """Holds an env slot (admitted and neither finished nor cancelled)."""
+    cancelled: bool = False
+    """Its group missed the staleness deadline and was cancelled (tokens booked as wasted)."""
 
     @property
     def n_turns(self) -> int:
@@ -81,8 +92,9 @@ class Group:
     done: int = 0
     complete_time: float = -1.0
     version: int = -1
-    """Oldest start version among its trajectories."""
-    tags: dict = field(default_factory=dict)
+    """Admission version (cancel rule): the group must be consumed by version + bound."""
+    admitted: bool = False
+    """Some member has taken an env slot (the group holds staleness-throttle slots)."""
 
     @property
     def size(self) -> int:
@@ -161,6 +173,11 @@ class WorkloadModel:
         gid = self._next_group
         self._next_group += 1
         return self._group(gid, self.cfg.group_size, is_eval=False)
+
+    @property
+    def groups_drawn(self) -> int:
+        """Training groups handed out so far."""
+        return self._next_group
 
     def next_eval_group(self) -> Group:
         """Evaluation tasks: one trajectory each, ids in a separate range from training tasks."""

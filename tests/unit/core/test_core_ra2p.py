@@ -11,8 +11,11 @@ from tide_megatron.core import (
     break_even_ras,
     choose_mode,
     colocated_latency,
+    colocated_round_size,
     decoupled_latency,
     plan_microbatches,
+    should_feed,
+    trainer_layout,
 )
 
 TIMES = MicroBatchTimes(ref_fwd_s=1.0, actor_fwd_s=1.0, actor_bwd_s=2.0)
@@ -155,3 +158,50 @@ def test_decoupled_last_micro_batch_is_the_smallest(lengths, dp, per_rank, final
     for mb in plan.micro_batches:
         for s in mb.shards:
             assert [lengths[i] for i in s] == sorted((lengths[i] for i in s), reverse=True)
+
+
+def test_unlimited_aggregation_serves_the_whole_backlog_in_one_round():
+    unlimited = RA2PConfig(swap_cost_s=2.0, aggregation_limit=None)
+    assert colocated_latency(8, 1.0, 8, TIMES, unlimited) == pytest.approx(2 * 2.0 + 8 * 4.0)
+    with pytest.raises(ValueError):
+        RA2PConfig(aggregation_limit=0)
+
+
+def test_colocated_round_size_trades_swaps_against_waiting():
+    cfg = RA2PConfig(swap_cost_s=2.0, aggregation_limit=None)
+    # a stream slower than compute: waiting for a fuller round only delays the end of the step
+    assert colocated_round_size(0, 20.0, 6, TIMES, cfg) == 1
+    # a fast stream and dear swaps: a round started on the first arrival costs a swap pair the
+    # backlog would have amortised; waiting for the whole step is fastest
+    dear = RA2PConfig(swap_cost_s=5.0, aggregation_limit=None)
+    k = colocated_round_size(0, 1.0, 8, TIMES, dear)
+    assert k == 8
+    assert colocated_latency(0, 1.0, 8, TIMES, dear, min_round=k) < colocated_latency(0, 1.0, 8, TIMES, dear)
+    with pytest.raises(ValueError):
+        colocated_latency(0, 4.0, 12, TIMES, cfg, min_round=0)
+
+
+def test_trainer_layout_converts_tokens_with_its_own_micro_batch():
+    cfg = RA2PConfig(tokens_per_rank=1000, swap_cost_s=2.0, pipeline_fill_s=0.5)
+    # 8 ranks: colocated micro-batch 8000 tokens, decoupled (6 actors + 2 refs) 6000
+    lay = trainer_layout(8, ras_tokens=48_000, arrival_tokens_per_s=0.0, step_tokens=48_000, times=TIMES, cfg=cfg)
+    assert lay.mode is RA2PMode.DECOUPLED and (lay.actor_ranks, lay.ref_ranks) == (6, 2)
+    assert lay.latency_colocated_s == pytest.approx(colocated_latency(6, math.inf, 6, TIMES, cfg))
+    assert lay.latency_decoupled_s == pytest.approx(decoupled_latency(8, math.inf, 8, TIMES, cfg, 6, 2))
+    one = trainer_layout(1, ras_tokens=0, arrival_tokens_per_s=100.0, step_tokens=4000, times=TIMES, cfg=cfg)
+    assert one.mode is RA2PMode.COLOCATED and one.latency_decoupled_s == math.inf
+
+
+@pytest.mark.parametrize("mode,ready,idle,last,k,expected", [
+    (RA2PMode.DECOUPLED, 3999, False, False, 1, False),   # accumulate: the actor is still busy
+    (RA2PMode.DECOUPLED, 4000, False, False, 1, True),    # one saturating micro-batch (4 x 1000)
+    (RA2PMode.DECOUPLED, 500, True, False, 1, True),      # the actor would idle: feed what is there
+    (RA2PMode.DECOUPLED, 500, False, True, 1, True),      # the rest of the step
+    (RA2PMode.COLOCATED, 4000, True, False, 2, False),    # a round waits for its size...
+    (RA2PMode.COLOCATED, 8000, True, False, 2, True),
+    (RA2PMode.COLOCATED, 100, True, True, 2, True),       # ...or for the end of the step
+    (RA2PMode.COLOCATED, 0, True, True, 1, False),
+])
+def test_should_feed_paces_a_step_just_in_time(mode, ready, idle, last, k, expected):
+    cfg = RA2PConfig(tokens_per_rank=1000)
+    assert should_feed(mode, ready, 4, cfg, trainer_idle=idle, completes_step=last, round_micro_batches=k) is expected

@@ -7,8 +7,8 @@ from tide_megatron.core import (
     ReadinessMeter,
     SignalsConfig,
     StepReadiness,
-    detect_deficits,
     median_interval,
+    tprm_for,
 )
 
 
@@ -72,56 +72,37 @@ def test_estimator_damps_a_single_outlier_step():
     assert e.tprm_s == pytest.approx(1.0 + 0.25 * 99)
 
 
-def _estimate(ras=1.0, tprm=1.0, step_time=10.0, volume=128.0, steps=3):
-    from tide_megatron.core import ReadinessEstimate
-
-    return ReadinessEstimate(ras, tprm, step_time, volume, steps)
-
-
-def test_generation_deficit_when_batch_volume_below_ideal():
-    d = detect_deficits(_estimate(volume=64), 0.0, b_ideal=128, break_even_ras=math.inf, hol_tau=1.0)
-    assert d.generation and not d.consumption
-
-
-def test_consumption_deficit_from_head_of_line_latency():
-    d = detect_deficits(_estimate(step_time=10.0), 15.0, b_ideal=128, break_even_ras=math.inf, hol_tau=1.0)
-    assert d.consumption and not d.generation
-    d = detect_deficits(_estimate(step_time=10.0), 15.0, b_ideal=128, break_even_ras=math.inf, hol_tau=2.0)
-    assert not d.consumption
+def test_meter_reports_ras_and_arrivals_in_tokens():
+    meter = ReadinessMeter(SignalsConfig(micro_batch_tokens=100))
+    meter.begin_step(now=0.0, ready_tokens=250, hol_latency_s=0.0)
+    meter.on_tokens_ready(2.0, 300)
+    meter.on_tokens_ready(3.0, 300)
+    step = meter.end_step(now=10.0, batch_trajectories=8)
+    assert step.ras_tokens == 250 and step.arrived_tokens == 600
+    assert step.arrival_tokens_per_s == pytest.approx(60.0)
 
 
-def test_consumption_deficit_from_ras_above_break_even():
-    d = detect_deficits(_estimate(ras=6.0), 0.0, b_ideal=128, break_even_ras=4.0, hol_tau=1.0)
-    assert d.consumption and any("break-even" in r for r in d.reasons)
-    d = detect_deficits(_estimate(ras=3.0), 0.0, b_ideal=128, break_even_ras=4.0, hol_tau=1.0)
-    assert not d.consumption
+def test_large_groups_arriving_together_do_not_read_as_an_instant_stream():
+    # Each group holds 3 micro-batches: the median gap between micro-batch arrivals is 0 (three
+    # at one instant), which read as an infinitely fast stream. The rate says 90 tokens/s.
+    meter = ReadinessMeter(SignalsConfig(micro_batch_tokens=100))
+    meter.begin_step(0.0, 0, 0.0)
+    for t in (10.0, 20.0, 30.0):
+        meter.on_tokens_ready(t, 300)
+    step = meter.end_step(10.0 * 3 + 0.0, 3)
+    assert step.tprm_s == 0.0
+    assert tprm_for(100, step.arrival_tokens_per_s) == pytest.approx(100 / 30.0)
+    assert tprm_for(100, 0.0) == math.inf
 
 
-def test_no_deficit_before_any_step():
-    d = detect_deficits(_estimate(volume=0, steps=0), 99.0, b_ideal=128, break_even_ras=0.0, hol_tau=1.0)
-    assert not d.generation and not d.consumption
+def test_estimator_smooths_token_fields():
+    est = ReadinessEstimator(SignalsConfig(ewma_alpha=0.5))
+    est.observe(StepReadiness(0, 0.0, 10.0, 0.0, 1.0, 1, 0.0, 8, ras_tokens=1000, arrived_tokens=500))
+    e = est.observe(StepReadiness(1, 10.0, 20.0, 0.0, 1.0, 1, 0.0, 8, ras_tokens=3000, arrived_tokens=1500))
+    assert e.ras_tokens == pytest.approx(2000) and e.arrival_tokens_per_s == pytest.approx(100)
 
 
-@pytest.mark.parametrize("kwargs", [dict(micro_batch_tokens=0), dict(ewma_alpha=0.0), dict(hol_tau=0)])
+@pytest.mark.parametrize("kwargs", [dict(micro_batch_tokens=0), dict(ewma_alpha=0.0)])
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         SignalsConfig(**kwargs)
-
-
-def test_decayed_ras_is_no_backlog_even_at_zero_break_even():
-    # A fast TPRM can put the break-even at 0; an EWMA of RAS decaying towards 0 stays
-    # positive, and used to read as a backlog, growing the trainer while it starved.
-    d = detect_deficits(_estimate(ras=1e-4), 0.0, b_ideal=128, break_even_ras=0.0, hol_tau=1.0)
-    assert not d.consumption
-    d = detect_deficits(_estimate(ras=1.0), 0.0, b_ideal=128, break_even_ras=0.0, hol_tau=1.0)
-    assert d.consumption
-
-
-def test_short_elastic_batch_with_ready_reservoir_is_not_a_generation_deficit():
-    # ERS must not scale the trainer down after a small elastic batch when ready data waits.
-    d = detect_deficits(_estimate(volume=64), 0.0, b_ideal=128, break_even_ras=math.inf, hol_tau=1.0,
-                        ready_micro_batches=2.5)
-    assert not d.generation
-    d = detect_deficits(_estimate(volume=64), 0.0, b_ideal=128, break_even_ras=math.inf, hol_tau=1.0,
-                        ready_micro_batches=0.5)
-    assert d.generation

@@ -63,3 +63,20 @@ def test_request_level_evicts_waiting_prefixes_and_ctb_keeps_them(small_config):
     assert m_rl.evictions > 0 and m_rl.recompute_tokens > 0
     assert m_ctb.evictions == 0
     assert m_ctb.kv_hit_rate > m_rl.kv_hit_rate
+
+
+def test_verl_like_policy_activation_gate_and_adaptive_ratio():
+    from tide_megatron.sim.verl_elastic import VerlElasticConfig, VerlElasticPolicy
+
+    pol = VerlElasticPolicy(VerlElasticConfig(deactivate_ratio=0.3, default_switch_cost_s=10.0))
+    assert pol.deactivate_threshold(100) == 30
+    # before any measurement the wait per sample is pessimistic: any gap is worth a switch
+    assert pol.should_activate(100, surplus_samples=0) and not pol.should_activate(100, surplus_samples=30)
+    # the trainer waited 20 s for 40 fresh samples: 0.5 s per sample; the ratio grows (capped)
+    pol.after_step(100, wait_s=20.0, wait_samples=40, switch_s=12.0)
+    assert pol.per_sample_s == pytest.approx(0.5) and pol.ratio == pytest.approx(0.4)
+    assert pol.switch_cost_s() == pytest.approx(12.0)
+    # gap 40 - 10 = 30 samples x 0.5 s = 15 s > 12 s switch: activate; a gap of 20 is not worth it
+    assert pol.should_activate(100, surplus_samples=10) and not pol.should_activate(100, surplus_samples=20)
+    pol.after_step(100, wait_s=0.0, wait_samples=0, switch_s=0.0)  # no wait: lend less next time
+    assert pol.ratio == pytest.approx(0.38)
