@@ -51,7 +51,7 @@ def trainer_roles_for(mode: RA2PMode) -> frozenset[Role]:
 class RolePlan:
     """The role of every rank for the next training step, and the RA2P mode it runs in.
 
-    Produced by `ERSPlanner.plan` after each actor update, applied at the weight sync.
+    Produced by `ERSController.plan` after each actor update, applied at the weight sync.
     """
 
     roles: Mapping[int, Role]
