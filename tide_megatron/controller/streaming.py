@@ -40,7 +40,7 @@ from tide_megatron.controller.controller import RunError
 from tide_megatron.controller.ctb_remote import RemoteCTB
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology
-from tide_megatron.controller.trainer_rank import TrainerRank, micro_batch_of, to_train_trajectory
+from tide_megatron.controller.trainer_rank import TrainerRank, micro_batch_of
 from tide_megatron.core.buffer import BufferConfig, CompletedGroup, GlobalBuffer
 from tide_megatron.core.buffer import Trajectory as BufferTrajectory
 from tide_megatron.core.ra2p import MicroBatchTimes, RA2PMode, plan_microbatches
@@ -74,9 +74,10 @@ class RolloutFeed(threading.Thread):
     """Rank 0's rollout side: dispatch, booking, and the stream of arrivals into a step."""
 
     def __init__(self, cfg: JobConfig, topo: Topology, mailbox: Mailbox, buffer: GlobalBuffer,
-                 tasks: list[dict[str, Any]], start_version: int):
+                 tasks: list[dict[str, Any]], start_version: int, images=None):
         super().__init__(name="rollout-feed", daemon=True)
         self.cfg, self.topo, self.mailbox, self.buffer = cfg, topo, mailbox, buffer
+        self.images = images  # a vision-language policy's `TrajectoryImages`, else None
         self.lock = threading.Lock()
         self.version = start_version
         self.error: BaseException | None = None
@@ -265,7 +266,7 @@ class RolloutFeed(threading.Thread):
             if not taken:
                 return
             payload = _group_payload(taken[0])
-            self._sink.put(micro_batch_of(payload, self.cfg.trainer.pad_to_multiple_of))
+            self._sink.put(micro_batch_of(payload, self.cfg.trainer.pad_to_multiple_of, self.images))
             self._on_micro_batch(taken[0], payload)
             self._sink_groups_left -= 1
 
@@ -287,7 +288,8 @@ class StreamingController:
             BufferConfig(group_size=sched.group_size, b_min=sched.group_size, b_ideal=batch,
                          max_staleness=sched.max_staleness),
             SignalsConfig(micro_batch_tokens=cfg.ra2p.cost_model.tokens_per_rank))
-        self.feed = RolloutFeed(cfg, topo, mailbox, self.buffer, tasks, start_version=start_step)
+        self.feed = RolloutFeed(cfg, topo, mailbox, self.buffer, tasks, start_version=start_step,
+                                images=trainer.images)
         self.meter = CostMeter()
         prior = MicroBatchTimes(cfg.ra2p.prior_ref_fwd_s, cfg.ra2p.prior_actor_fwd_s, cfg.ra2p.prior_actor_bwd_s)
         self.selector = ModeSelector(ModeSelectorConfig(ra2p=cfg.ra2p.cost_model, prior_times=prior), self.meter)
@@ -369,8 +371,8 @@ class StreamingController:
         # The ready backlog is planned by the core (smallest micro-batch last when decoupled);
         # each group completing later is one more micro-batch, streamed as it completes.
         payload = {(g.group_id, i): traj for g in ready for i, traj in enumerate(_group_payload(g))}
-        trajs = {k: to_train_trajectory(v) for k, v in payload.items()}
-        plan = plan_microbatches({k: len(t) for k, t in trajs.items()}, 1, mode, self.cfg.ra2p.cost_model)
+        plan = plan_microbatches({k: len(v["token_ids"]) for k, v in payload.items()}, 1, mode,
+                                 self.cfg.ra2p.cost_model)
         first = [[payload[k] for k in mb.shards[0]] for mb in plan.micro_batches if mb.shards[0]]
         n_mb = len(first) + sched.groups_per_step - len(ready)
         source = ArrivingSource(n_mb)
@@ -379,7 +381,7 @@ class StreamingController:
         if decoupled:
             self.mailbox.post(self.ref_rank, "ref_step", num_micro_batches=n_mb)
         for mb in first:
-            source.put(micro_batch_of(mb, self.cfg.trainer.pad_to_multiple_of))
+            source.put(micro_batch_of(mb, self.cfg.trainer.pad_to_multiple_of, self.trainer.images))
             if decoupled:
                 self.mailbox.post(self.ref_rank, "ref_mb", trajectories=mb)
 

@@ -29,15 +29,17 @@ def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch
 
 
 def forward_logprobs(model: torch.nn.Module, token_ids: torch.Tensor,
-                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     position_ids: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
     """Run the model on token_ids # [B, T] and return their per-token log-probs # [B, T].
 
-    Passes an explicit causal mask and position ids (Megatron's defaults are built on "cuda").
-    Differentiable; wrap in `torch.no_grad()` for the reference or old-policy recomputation.
+    Passes an explicit causal mask and position ids (Megatron's defaults are built on "cuda");
+    `model_inputs` (a vision-language model's images, `MicroBatch.model_inputs()`) go to the
+    model's forward as they are. Differentiable; wrap in `torch.no_grad()` for the reference or
+    old-policy recomputation.
     """
     batch, seq_len = token_ids.shape
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=token_ids.device)[None].expand(batch, seq_len)
     mask = causal_attention_mask(seq_len, device=token_ids.device)  # [1, 1, T, T]
-    logits = model(token_ids, position_ids, mask)  # [B, T, V/tp]
+    logits = model(token_ids, position_ids, mask, **model_inputs)  # [B, T, V/tp]
     return logprobs_from_logits(logits, token_ids)
