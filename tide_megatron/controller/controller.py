@@ -259,6 +259,8 @@ class Controller:
             "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
             "prefix_cache/cached_tokens": cached,
             "prefix_cache/prompt_tokens": prompt,
+            "tokens/context": sum(len(t.token_ids) for t in trajs),
+            "tokens/image": sum(t.image_tokens for t in trajs),  # image pads of those contexts
             "reward/mean": sum(rewards) / len(rewards),
             "reward/max": max(rewards),
             "reward/min": min(rewards),

@@ -485,6 +485,8 @@ class StreamingController:
             "micro_batches": report.num_micro_batches,
             **{f"ra2p/{k}": v for k, v in report.as_dict().items() if isinstance(v, (int, float))},
             "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
+            "tokens/context": sum(len(p.token_ids) for p in payloads),
+            "tokens/image": sum(p.image_tokens for p in payloads),  # image pads of those contexts
             "reward/mean": sum(t.reward for t in trajs) / len(trajs),
             "turns/mean": sum(p.turns for p in payloads) / len(payloads),
             "staleness/max": max(self.version - 1 - t.policy_version for t in trajs),

@@ -13,6 +13,9 @@ The environment session stays open while a task is paused: a paused task still h
 
 With `use_sessions=False` (the vanilla, request-level baseline) it sends the whole context
 every turn, untagged, and is never paused.
+
+Observations with images (a vision-language policy, see `multimodal.py`): each turn carries its
+images to SGLang with its new ids; a fresh session gets the whole context with every image.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from sglang_patches.task_tag import ADMIT, RESUME, TURN, TaskTag
 from tide_megatron.envs.client import EnvClient
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.engine import Generation, RolloutEngine
+from tide_megatron.models.qwen3_vl_inputs import encode_image_for_record
+from tide_megatron.rollout.multimodal import ImageInputError, observation_images
 from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
 
 
@@ -92,8 +97,24 @@ class CTBTaskRunner:
         self.use_sessions = use_sessions
 
     def _sampling(self, remaining: int) -> dict[str, Any]:
-        return {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
-                "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
+        params = {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
+                  "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
+        if self.chat.images is not None:
+            params["stop_token_ids"] = self.chat.images.stop_token_ids
+        return params
+
+    def _observation(self, result: Any, what: str, render) -> tuple[list[int], list[int], list]:
+        """(ids SGLang is sent, ids of the context, images) of one observation; `render(n)`
+        gives the one-pad ids of its turn with n images."""
+        data = observation_images(result)
+        if not data:
+            ids = render(0)
+            return ids, ids, []
+        if self.chat.images is None:
+            raise ImageInputError(f"{what}: the env returned {len(data)} image(s), but the policy is text-only")
+        images = self.chat.images.prepare(data, what)
+        send = render(len(images))
+        return send, self.chat.images.expand(send, images, what), images
 
     async def run(self, assignment: TaskAssignment, handle: TaskHandle, listener: TurnListener) -> Trajectory:
         started = time.time()
@@ -101,12 +122,17 @@ class CTBTaskRunner:
         await handle.runnable.wait()  # admitted before it takes an environment
         async with self.env.session(assignment.task["env"], assignment.task["task_id"],
                                     assignment.trajectory_id) as first:
-            ep = _Episode(tokens=self.chat.prompt_ids(first.observation), env_wait_s=time.monotonic() - t0,
-                          version=min(e.weight_version for e in self.engines.values()))
-            ep.loss_mask = [0] * len(ep.tokens)
-            ep.logprobs = [0.0] * len(ep.tokens)
+            what = f"task {assignment.trajectory_id} turn 0"
+            send, ids, images = self._observation(first, what, lambda n: self.chat.prompt_ids(first.observation, n))
+            if images and len(ids) > self.cfg.max_context_tokens:
+                raise ImageInputError(f"{what}: the first observation takes {len(ids)} tokens, over "
+                                      f"max_context_tokens={self.cfg.max_context_tokens}")
+            ep = _Episode(tokens=[], env_wait_s=time.monotonic() - t0,
+                          version=min(e.weight_version for e in self.engines.values()),
+                          send_tokens=[] if self.chat.images is not None else None)
+            ep.append(ids, 0, send_ids=send, images=images)
             try:
-                await self._turns(first.session_id, ep, handle, listener)
+                await self._turns(first.session_id, ep, handle, listener, (send, images), assignment.trajectory_id)
             finally:
                 async with handle.lock:
                     if handle.session_id is not None:
@@ -122,10 +148,13 @@ class CTBTaskRunner:
             env_wait_s=ep.env_wait_s, generate_s=ep.generate_s, started_at=started, finished_at=time.time(),
             info={**{k: v for k, v in ep.info.items() if isinstance(v, (int, float, str, bool))},
                   "ctb_pauses": handle.pauses, "ctb_moves": handle.moves},
+            images=[encode_image_for_record(im.data) for im in ep.images],
+            image_grid_thw=[list(im.grid) for im in ep.images], image_tokens=sum(im.num_tokens for im in ep.images),
         )
 
-    async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener) -> None:
-        pending = list(ep.tokens)  # tokens the engine's session has not seen yet
+    async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener,
+                     pending: tuple[list[int], list], task_id: str) -> None:
+        # `pending`: the ids (one-pad form) and images the engine's session has not seen yet.
         previous_rid: Optional[str] = None
         done = False
         while not done:
@@ -136,6 +165,10 @@ class CTBTaskRunner:
             gen = await self._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
             previous_rid = gen.rid
             ep.append(gen.output_ids, 1, gen.logprobs)
+            if self.chat.images is not None and self.chat.images.ends_episode(gen.output_ids):
+                ep.truncated = True  # sent back, a generated pad would read as an image placeholder
+                ep.info = {**ep.info, "vision_token_generated": True}
+                return
             action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             t0 = time.monotonic()
             result = await self.env.step(env_session, action)
@@ -144,10 +177,17 @@ class CTBTaskRunner:
             ep.info = result.info
             done = result.done
             if not done:
-                pending = self.chat.user_turn_ids(result.observation, gen.output_ids)
-                ep.append(pending, 0)
+                send, ids, images = self._observation(
+                    result, f"task {task_id} turn {ep.turns}",
+                    lambda n: self.chat.user_turn_ids(result.observation, gen.output_ids, n))
+                if images and len(ep.tokens) + len(ids) > self.cfg.max_context_tokens:
+                    ep.truncated = True  # the context ends before the turn: an image is never cut
+                    return
+                ep.append(ids, 0, send_ids=send, images=images)
+                pending = (send, images)
 
-    async def _generate_turn(self, ep: _Episode, pending: list[int], previous_rid: Optional[str], remaining: int,
+    async def _generate_turn(self, ep: _Episode, pending: tuple[list[int], list], previous_rid: Optional[str],
+                             remaining: int,
                              handle: TaskHandle, listener: TurnListener) -> Generation:
         while True:
             await handle.runnable.wait()
@@ -170,13 +210,20 @@ class CTBTaskRunner:
                     if previous_rid is not None:
                         session_params["rid"] = previous_rid
                 # A fresh session (first turn or resume) needs the whole context; a live one only the delta.
-                send = pending if session_params is not None and previous_rid is not None else ep.tokens
+                if session_params is not None and previous_rid is not None:
+                    send, images = pending
+                else:
+                    send, images = (ep.tokens if ep.send_tokens is None else ep.send_tokens), ep.images
                 tag = listener.turn_started(handle.task_id, len(ep.tokens), kind)
                 handle.started, handle.last_rank = True, rank
                 ep.version = min(ep.version, engine.weight_version)
                 t0 = time.monotonic()
-                gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params)
+                gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params,
+                                                    [im.data for im in images])
                 ep.generate_s += time.monotonic() - t0
+            if ep.send_tokens is not None and gen.prompt_tokens != len(ep.tokens):
+                raise RuntimeError(f"task {handle.task_id}: SGLang's context has {gen.prompt_tokens} tokens, the "
+                                   f"trajectory {len(ep.tokens)}: image pads expanded differently")
             ep.turns += 1
             ep.prompt_tokens += gen.prompt_tokens
             ep.cached_tokens += gen.cached_tokens
@@ -186,10 +233,10 @@ class CTBTaskRunner:
 
 
 async def generate_tagged(engine: RolloutEngine, input_ids: list[int], sampling_params: dict[str, Any],
-                          tag: Optional[TaskTag], session_params: Optional[dict[str, Any]]
-                          ) -> tuple[Generation, Optional[dict[str, Any]]]:
+                          tag: Optional[TaskTag], session_params: Optional[dict[str, Any]],
+                          image_data: Optional[list[bytes]] = None) -> tuple[Generation, Optional[dict[str, Any]]]:
     """`RolloutEngine.generate` with a CTB-tagged rid; also returns the plugin's report."""
     session_params = session_params or {}
     gen = await engine.generate(input_ids, sampling_params, session_params.get("id"), session_params.get("rid"),
-                                rid=tag.to_rid() if tag is not None else None)
+                                rid=tag.to_rid() if tag is not None else None, image_data=image_data or None)
     return gen, gen.ctb_report

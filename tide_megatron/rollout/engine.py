@@ -6,6 +6,14 @@ coroutines on the engine's own event loop (SGLang's synchronous `Engine` methods
 token-in/token-out generation with log-probs, one streaming session per task (the
 session pins the task's prefix while it waits for its environment), in-place weight
 updates from tensors, and cache flushes at the weight-sync boundary.
+
+Images (vision-language checkpoints): `generate` passes the turn's encoded images to SGLang
+(`image_data`, see `multimodal.py`), and the engine starts with two SGLang settings:
+`SGLANG_VLM_CACHE_SIZE_MB=0`, because SGLang 0.5.23 keeps vision-encoder outputs in a cache keyed
+by the image alone that neither `flush_cache` nor a weight update clears (a screenshot seen before
+an update would keep the old vision weights' embedding; measured log-prob errors of 0.3-0.6), and
+`SGLANG_MM_AVOID_RETOKENIZE=1`, so that prompts are never decoded and re-tokenized. A value
+already in the environment is kept.
 """
 
 from __future__ import annotations
@@ -103,6 +111,19 @@ def _without_torchelastic_store():
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
+VISION_LANGUAGE_SGLANG_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0", "SGLANG_MM_AVOID_RETOKENIZE": "1"}
+
+
+def _is_vision_language(model_path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return json.load(f).get("model_type") == "qwen3_vl"
+    except (OSError, ValueError):
+        return False
+
+
 class RolloutEngine:
     """An SGLang engine serving one rollout rank."""
 
@@ -111,6 +132,9 @@ class RolloutEngine:
 
         self.cfg = cfg
         self.model_path = model_path
+        if _is_vision_language(model_path):
+            for key, value in VISION_LANGUAGE_SGLANG_ENV.items():
+                os.environ.setdefault(key, value)
         with _without_torchelastic_store():
             self._engine = Engine(**cfg.engine_kwargs(model_path))
         self.loop: asyncio.AbstractEventLoop = self._engine.loop
@@ -125,10 +149,12 @@ class RolloutEngine:
         session_id: str | None = None,
         previous_rid: str | None = None,
         rid: str | None = None,
+        image_data: list[bytes] | None = None,
     ) -> Generation:
         """Generate after `input_ids`. With a session, `input_ids` are only the tokens
         appended since the session's previous turn (`previous_rid`). `rid` names the
-        request (CTB's task tag rides in it, see `sglang_patches.task_tag`)."""
+        request (CTB's task tag rides in it, see `sglang_patches.task_tag`). `image_data`:
+        the encoded images of the image placeholders in `input_ids`, in order."""
         session_params = None
         if session_id is not None:
             session_params = {"id": session_id}
@@ -140,6 +166,7 @@ class RolloutEngine:
             return_logprob=True,
             session_params=session_params,
             rid=rid,
+            image_data=image_data,
         )
         meta = out["meta_info"]
         finish = meta.get("finish_reason") or {}

@@ -82,6 +82,12 @@ class Trajectory:
     started_at: float = 0.0
     finished_at: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)
+    """Encoded images of the observations (base64), in the order of their pads in `token_ids`."""
+    image_grid_thw: list[list[int]] = field(default_factory=list)
+    """(t, h, w) patch grid of each image, as the rollout counted its pads."""
+    image_tokens: int = 0
+    """Of the context (`token_ids`), the image pads."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,8 +149,16 @@ class _Episode:
     cached_tokens: int = 0
     generate_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    send_tokens: list[int] | None = None
+    """With images: `tokens` as SGLang is sent them (one pad per image); None: `tokens` itself."""
+    images: list[Any] = field(default_factory=list)
+    """`multimodal.TurnImage`s of the observations so far, in order."""
 
-    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None,
+               send_ids: list[int] | None = None, images: list[Any] = ()) -> None:
         self.tokens += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        if self.send_tokens is not None:
+            self.send_tokens += send_ids if send_ids is not None else ids
+        self.images += images
