@@ -247,8 +247,13 @@ def main() -> None:
             "one machine, log-probs streamed over a gloo group; it uses twice the cores/GPUs of the others.",
             "Swaps: Actor params + DDP grad buffer, Ref params (optimizer state stays resident). On CPU a swap "
             "is a copy into a separate host buffer, free, re-allocate and copy back (real memcpy cost).",
-            "GPU figures (--device cuda --model-size 1.5b --mb-tokens 8192: pinned host buffers, side-stream "
-            "copies, CUDA-synchronised timings) are pending: not run yet.",
+            ("CUDA run: pinned host buffers, side-stream copies, CUDA-synchronised timings. With one GPU, DM's "
+             "Ref and Actor processes share it (two CUDA contexts on one device), so DM's overlap is bounded "
+             "by one device's compute, unlike the paper's separate GPUs."
+             if args.device == "cuda" and torch.cuda.device_count() < 2 else
+             "CUDA run: pinned host buffers, side-stream copies, CUDA-synchronised timings; DM on two GPUs."
+             if args.device == "cuda" else
+             "GPU figures: see ra2p_microbench_cuda.json (--device cuda --model-size 1.5b --mb-tokens 8192)."),
         ],
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

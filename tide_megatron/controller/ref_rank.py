@@ -18,6 +18,7 @@ from typing import Any
 
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
+from tide_megatron.comm.messages import LoadWeights, Stop
 from tide_megatron.controller.trainer_rank import micro_batch_of
 from tide_megatron.models.policy import model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
@@ -46,7 +47,9 @@ class RefRank:
         """Route messages: micro-batches straight into the running step, the rest to `serve`."""
         while not stop.is_set():
             for msg in mailbox.poll():
-                if msg["kind"] == "ref_step":
+                if isinstance(msg, (LoadWeights, Stop)):
+                    self._commands.put(msg)
+                elif msg["kind"] == "ref_step":
                     self._source = ArrivingSource(int(msg["num_micro_batches"]))
                     self._commands.put({"kind": "ref_step", "source": self._source})
                 elif msg["kind"] == "ref_mb":
@@ -62,14 +65,15 @@ class RefRank:
         try:
             while True:
                 msg = self._commands.get()
+                if isinstance(msg, LoadWeights):  # the frozen reference takes part in the broadcast only
+                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg.manifest))
+                    continue
+                if isinstance(msg, Stop):
+                    return
                 kind = msg["kind"]
                 if kind == "ref_step":
                     report = self.server.serve_step({self.actor_rank: msg["source"]})
                     mailbox.post(CONTROLLER, "ref_done", report=report.as_dict(), costs=dict(self.meter.values))
-                elif kind == "weights":  # the frozen reference takes part in the broadcast only
-                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg["manifest"]))
-                elif kind == "stop":
-                    return
                 else:
                     raise ValueError(f"reference rank {self.rank}: unknown message kind {kind!r}")
         finally:

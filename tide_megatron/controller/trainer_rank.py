@@ -16,6 +16,7 @@ import torch
 
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
+from tide_megatron.comm.messages import LoadWeights, Stop
 from tide_megatron.models.policy import model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
 from tide_megatron.trainer import checkpoint as ckpt
@@ -83,7 +84,7 @@ class TrainerRank:
             return 0.0  # rank 0 alone sends; the others join the broadcast from `serve`
         manifest, flat = weight_sync.pack(named, version)
         for dest in range(1, world_size):
-            mailbox.post(dest, "weights", manifest=manifest.to_json())
+            mailbox.post(dest, LoadWeights(manifest.to_json()))
         _, seconds = weight_sync.broadcast_flat(self.job_group, flat, manifest)
         return seconds
 
@@ -100,20 +101,21 @@ class TrainerRank:
         """Trainer ranks other than 0: run the controller's commands until told to stop."""
         while True:
             for msg in mailbox.poll():
+                if isinstance(msg, LoadWeights):  # the broadcast itself; trainers drop the buffer
+                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg.manifest))
+                    continue
+                if isinstance(msg, Stop):
+                    return
                 kind = msg["kind"]
                 if kind == "train":
                     result, _ = self.train(msg["trajectories"])
                     mailbox.post(CONTROLLER, "trained", step=result.step)
                 elif kind == "push_weights":
                     self.push_weights(int(msg["version"]), None, 0)
-                elif kind == "weights":  # the broadcast itself; trainers drop the buffer
-                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg["manifest"]))
                 elif kind == "save":
                     self.save()
                 elif kind == "load":
                     self.load(msg.get("path"))
-                elif kind == "stop":
-                    return
                 else:
                     raise ValueError(f"trainer rank {self.rank}: unknown message kind {kind!r}")
             time.sleep(POLL_INTERVAL_S)

@@ -56,6 +56,11 @@ class FakeEngine:
 
     def __post_init__(self):
         self.cfg = SimpleNamespace(use_sessions=self.use_sessions)
+        self.weight_epoch = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        yield
 
     async def open_session(self, capacity_tokens: int):
         sid = f"s{len(self.sessions)}"
@@ -207,16 +212,22 @@ def test_turn_deltas_with_images_match_the_template(chat):
 
 
 def test_the_worker_reports_a_task_with_a_bad_image_instead_of_losing_it(chat):
+    from tide_megatron.comm.messages import RunTask, TaskFailed
     from tide_megatron.rollout.worker import RolloutWorker
 
     posted = []
-    mailbox = SimpleNamespace(post=lambda dest, kind, **payload: posted.append((kind, payload)))
+    mailbox = SimpleNamespace(post=lambda dest, msg: posted.append(msg))
     engine = FakeEngine(chat.images)
     env = FakeEnv([[b"\x89PNG\r\n\x1a\nbroken"]], turns=1)
-    runner = TaskRunner(TaskRunnerConfig(max_turns=2, max_new_tokens=4), engine, chat, env)
-    worker = RolloutWorker(1, engine, runner, mailbox, job_group=None)
+    worker = RolloutWorker(1, engine, TaskRunnerConfig(max_turns=2, max_new_tokens=4), chat, env, mailbox,
+                           job_group=None)
     assignment = TaskAssignment(task={"env": "gui", "task_id": "t0"}, group_id="g0", index=0)
-    asyncio.run(worker._run_task(assignment))
-    assert [k for k, _ in posted] == ["task_failed"]
-    assert posted[0][1]["error"].startswith("ImageInputError: task g0/0 turn 0 image 0: cannot decode")
-    assert posted[0][1]["assignment"]["group_id"] == "g0"
+
+    async def go():
+        await worker._handle(RunTask(assignment, None))
+        await asyncio.gather(*(t.job for t in list(worker._tasks.values())))
+
+    asyncio.run(go())
+    failed = [m for m in posted if isinstance(m, TaskFailed)]
+    assert len(failed) == 1 and failed[0].assignment == assignment
+    assert failed[0].error.startswith("ImageInputError: task g0/0 turn 0 image 0: cannot decode")

@@ -140,6 +140,7 @@ class ColocatedExecutor:
             if not processed:
                 # Everything ready now (at least one: blocks for an arrival), up to the limit.
                 batch = [mb.to(device) for mb in source.take_ready(limit)]  # one device copy
+                timer.exclude(source.last_wait_s)  # waiting for an arrival is not backward
                 if not batch:
                     return
                 if need_ref:
