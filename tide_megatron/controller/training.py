@@ -64,7 +64,10 @@ class StepOutcome:
 
 
 def _trajectory_json(t: Trajectory) -> dict[str, Any]:
-    return {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs, "advantage": t.advantage}
+    data = {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs, "advantage": t.advantage}
+    if t.images:  # a vision-language policy's observations: the trainer re-reads the images
+        data.update(group_id=t.group_id, index=t.index, images=t.images, image_grid_thw=t.image_grid_thw)
+    return data
 
 
 def _executor_config(name: str) -> ColocatedConfig:
