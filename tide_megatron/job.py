@@ -124,31 +124,11 @@ class Job:
 
     def _write_random_vl_checkpoint(self, path: str, tok_dir: str, base_vocab: int) -> str:
         """A random Qwen3-VL: `random_init` is its language model, `random_vision` the rest."""
-        from tide_megatron.models.qwen3_vl_checkpoint import (
-            VISION_SPECIAL_TOKENS,
-            ImageProcessorConfig,
-            write_random_vl_checkpoint,
-        )
-        from tide_megatron.models.qwen3_vl_config import VisionTowerConfig, VLModelConfig
+        from tide_megatron.models.qwen3_vl_checkpoint import write_random_vl_checkpoint_from
 
         cfg = self.cfg
-        lm, vis = cfg.model.random_init, cfg.model.random_vision
-        unit = cfg.trainer.tp_size * 64
-        vocab = -(-(base_vocab + len(VISION_SPECIAL_TOKENS)) // unit) * unit  # shardable
-        model_cfg = VLModelConfig(
-            vocab_size=vocab, hidden_size=lm.hidden_size, num_layers=lm.num_layers,
-            num_attention_heads=lm.num_attention_heads, num_key_value_heads=lm.num_key_value_heads,
-            head_dim=lm.hidden_size // lm.num_attention_heads, ffn_hidden_size=lm.ffn_hidden_size,
-            mrope_section=tuple(vis.mrope_section), tie_word_embeddings=lm.tie_word_embeddings,
-            max_position_embeddings=lm.max_position_embeddings,
-            vision=VisionTowerConfig(
-                depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,
-                num_heads=vis.num_heads, patch_size=vis.patch_size, spatial_merge_size=vis.spatial_merge_size,
-                out_hidden_size=lm.hidden_size, num_position_embeddings=vis.num_position_embeddings,
-                deepstack_visual_indexes=tuple(vis.deepstack_visual_indexes)))
-        written, _ = write_random_vl_checkpoint(path, model_cfg, tok_dir, seed=cfg.run.seed,
-                                                image_processor=ImageProcessorConfig(vis.min_pixels, vis.max_pixels))
-        return written
+        return write_random_vl_checkpoint_from(path, cfg.model.random_init, cfg.model.random_vision, tok_dir,
+                                               base_vocab, cfg.trainer.tp_size, cfg.run.seed)
 
     def _start_env_server(self) -> str:
         envs = self.cfg.envs

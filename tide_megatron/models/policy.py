@@ -35,6 +35,14 @@ def is_vision_language(cfg: PolicyConfig) -> bool:
     return isinstance(cfg, VLModelConfig)
 
 
+def banned_token_ids(cfg: PolicyConfig) -> tuple[int, ...]:
+    """Tokens outside the policy's action space: a vision-language policy never generates its
+    vision special tokens (sent back to SGLang, a generated image pad would read as an image
+    placeholder). SGLang samples with their logits at -inf (`logit_bias`); the trainer computes
+    log-probs the same way (`trainer.logprobs.logprobs_from_logits`)."""
+    return cfg.vision_special_token_ids if is_vision_language(cfg) else ()
+
+
 def build_model(cfg: PolicyConfig, tp: int | None = None, bf16: bool = False) -> torch.nn.Module:
     """The Megatron model of `cfg` on the current device (random init)."""
     if is_vision_language(cfg):

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tide_megatron.models.qwen3_vl_config import VLModelConfig
+from tide_megatron.models.qwen3_vl_config import VisionTowerConfig, VLModelConfig
 
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -121,6 +121,29 @@ def write_random_vl_checkpoint(
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(image_processor.to_json(cfg.vision), f, indent=2)
     return path, cfg
+
+
+def write_random_vl_checkpoint_from(path: str | os.PathLike, lm, vision, base_tokenizer_dir: str | os.PathLike,
+                                    base_vocab: int, tp_size: int = 1, seed: int = 0) -> str:
+    """`write_random_vl_checkpoint` from the job's `model.random_init` (`lm`, the language model)
+    and `model.random_vision` (`vision`, the vision tower and image processor) configs; the
+    vocabulary is the base tokenizer's plus the vision tokens, rounded up to shard over TP."""
+    unit = tp_size * 64
+    vocab = -(-(base_vocab + len(VISION_SPECIAL_TOKENS)) // unit) * unit
+    cfg = VLModelConfig(
+        vocab_size=vocab, hidden_size=lm.hidden_size, num_layers=lm.num_layers,
+        num_attention_heads=lm.num_attention_heads, num_key_value_heads=lm.num_key_value_heads,
+        head_dim=lm.hidden_size // lm.num_attention_heads, ffn_hidden_size=lm.ffn_hidden_size,
+        mrope_section=tuple(vision.mrope_section), tie_word_embeddings=lm.tie_word_embeddings,
+        max_position_embeddings=lm.max_position_embeddings,
+        vision=VisionTowerConfig(
+            depth=vision.depth, hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size,
+            num_heads=vision.num_heads, patch_size=vision.patch_size, spatial_merge_size=vision.spatial_merge_size,
+            out_hidden_size=lm.hidden_size, num_position_embeddings=vision.num_position_embeddings,
+            deepstack_visual_indexes=tuple(vision.deepstack_visual_indexes)))
+    written, _ = write_random_vl_checkpoint(path, cfg, base_tokenizer_dir, seed=seed,
+                                            image_processor=ImageProcessorConfig(vision.min_pixels, vision.max_pixels))
+    return written
 
 
 def load_hf_vl_model(checkpoint_dir: str | os.PathLike) -> torch.nn.Module:

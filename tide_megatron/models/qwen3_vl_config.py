@@ -118,6 +118,10 @@ class VLModelConfig:
     def qkv_bias(self) -> bool:
         return False
 
+    @property
+    def vision_special_token_ids(self) -> tuple[int, int, int, int]:
+        return (self.vision_start_token_id, self.vision_end_token_id, self.image_token_id, self.video_token_id)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if isinstance(self.vision, dict):

@@ -109,7 +109,7 @@ class CTBTaskRunner:
         params = {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
                   "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
         if self.chat.images is not None:
-            params["stop_token_ids"] = self.chat.images.stop_token_ids
+            params["logit_bias"] = self.chat.images.logit_bias
         return params
 
     def _observation(self, result: Any, what: str, render) -> tuple[list[int], list[int], list]:
@@ -182,10 +182,6 @@ class CTBTaskRunner:
             previous_rid = gen.rid
             ep.segments.append(Segment(len(ep.tokens), len(ep.tokens) + len(gen.output_ids), version))
             ep.append(gen.output_ids, 1, gen.logprobs)
-            if self.chat.images is not None and self.chat.images.ends_episode(gen.output_ids):
-                ep.truncated = True  # sent back, a generated pad would read as an image placeholder
-                ep.info = {**ep.info, "vision_token_generated": True}
-                return
             action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             t0 = time.monotonic()
             result = await self.env.step(env_session, action)

@@ -15,8 +15,9 @@ Token-in/token-out with images works like this (SGLang 0.5.23, `qwen3_vl`):
 An image the env returns is decoded and checked here first (`ImageInputError`, naming the task,
 turn and image): a corrupt or oversized image fails the task with that message, which the rollout
 worker reports to the controller like any failed task (re-run or stop with the error; never
-dropped). Vision special tokens the policy generates end its turn (SGLang `stop_token_ids`) and
-the episode: sent back, such a pad would be read as an image placeholder.
+dropped). The policy never generates a vision special token (sent back, a generated pad would
+read as an image placeholder): SGLang samples with their logits at `BANNED_LOGIT` (`logit_bias`),
+and the trainer computes its log-probs the same way (`models.policy.banned_token_ids`).
 """
 
 from __future__ import annotations
@@ -43,23 +44,24 @@ class TurnImage:
 class ImagePrompts:
     """What a vision-language policy's rollout needs to know about images."""
 
-    def __init__(self, processor: ImageProcessor, image_token_id: int, stop_token_ids: Sequence[int]):
+    def __init__(self, processor: ImageProcessor, image_token_id: int, banned_token_ids: Sequence[int]):
+        from tide_megatron.trainer.logprobs import BANNED_LOGIT
+
         self.processor = processor
         self.image_token_id = image_token_id
-        self.stop_token_ids = list(stop_token_ids)
-        """Vision special tokens: generating one ends the turn and the episode."""
+        self.logit_bias = {str(t): BANNED_LOGIT for t in banned_token_ids}
+        """SGLang's `logit_bias` that keeps the vision special tokens out of every sample."""
 
     @classmethod
     def for_checkpoint(cls, checkpoint_dir: str | os.PathLike, limits: ImageLimits = ImageLimits()
                        ) -> "ImagePrompts | None":
         """None for a text-only checkpoint."""
-        from tide_megatron.models.policy import is_vision_language, model_config_from_checkpoint
+        from tide_megatron.models.policy import banned_token_ids, is_vision_language, model_config_from_checkpoint
 
         cfg = model_config_from_checkpoint(checkpoint_dir)
         if not is_vision_language(cfg):
             return None
-        return cls(ImageProcessor(checkpoint_dir, limits), cfg.image_token_id,
-                   (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id, cfg.video_token_id))
+        return cls(ImageProcessor(checkpoint_dir, limits), cfg.image_token_id, banned_token_ids(cfg))
 
     def prepare(self, images: Sequence[bytes], what: str) -> list[TurnImage]:
         """Decode and measure an observation's images; `ImageInputError` names `what` and the image."""
@@ -82,11 +84,6 @@ class ImagePrompts:
             out += send_ids[start:at] + [self.image_token_id] * image.num_tokens
             start = at + 1
         return out + send_ids[start:]
-
-    def ends_episode(self, output_ids: Sequence[int]) -> bool:
-        """The policy generated a vision special token (it never should)."""
-        stops = set(self.stop_token_ids)
-        return any(t in stops for t in output_ids)
 
 
 def observation_images(result: Any) -> list[bytes]:

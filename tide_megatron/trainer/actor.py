@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from tide_megatron.models.policy import PolicyConfig, build_model, hf_weights, load_hf_weights
+from tide_megatron.models.policy import PolicyConfig, banned_token_ids, build_model, hf_weights, load_hf_weights
 from tide_megatron.models.weight_conversion import unwrap_model
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.config import TrainerConfig
@@ -39,6 +39,7 @@ class ReferenceModel:
 
     def __init__(self, model_cfg: PolicyConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False):
         self.model_cfg = model_cfg
+        self.banned_token_ids = banned_token_ids(model_cfg)
         self.model = build_model(model_cfg, bf16=bf16)
         load_hf_weights(self.model, hf_checkpoint_dir, model_cfg)
         self.model.eval()
@@ -49,7 +50,7 @@ class ReferenceModel:
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Reference log-probs of a micro-batch. # [B, T]"""
         mb = micro_batch.to(_device())
-        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, **mb.model_inputs())
+        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
 
     def attach_logprobs(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Fill `ref_logprobs` of each micro-batch in place (colocated mode); returns them."""
@@ -83,6 +84,7 @@ class MegatronActor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.model_cfg = model_cfg
+        self.banned_token_ids = banned_token_ids(model_cfg)
         self.cfg = trainer_cfg
         self.step = 0
         model = build_model(model_cfg, bf16=trainer_cfg.bf16)
@@ -116,7 +118,7 @@ class MegatronActor:
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Current-policy log-probs of a micro-batch, no gradient. # [B, T]"""
         mb = micro_batch.to(_device())
-        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, **mb.model_inputs())
+        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
 
     # ---- one optimizer step ------------------------------------------------------------
 
@@ -130,7 +132,8 @@ class MegatronActor:
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb = next(data_iterator).to(_device())
-        logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids, **mb.model_inputs())  # [B, T]
+        logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids, self.banned_token_ids,
+                                    **mb.model_inputs())  # [B, T]
         return logprobs, partial(self._loss_func, mb)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> list[dict]:

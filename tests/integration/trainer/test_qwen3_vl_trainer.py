@@ -18,10 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
+from tide_megatron.models.policy import banned_token_ids
 from tide_megatron.models.qwen3_vl_checkpoint import load_hf_vl_model, write_random_vl_checkpoint
 from tide_megatron.models.qwen3_vl_config import VisionTowerConfig, VLModelConfig
 from tide_megatron.models.qwen3_vl_inputs import ImageProcessor, TrajectoryImages, encode_image_for_record
 from tide_megatron.tokenizer import TINY_BPE_DIR
+from tide_megatron.trainer.logprobs import BANNED_LOGIT
 
 pytestmark = pytest.mark.integration
 
@@ -42,8 +44,7 @@ def _png(width: int, height: int, seed: int) -> bytes:
 
 def _records(cfg: VLModelConfig, processor: ImageProcessor) -> list[dict]:
     """One record per entry of IMAGE_SIZES: each image starts an observation turn, followed by a
-    generated action; in all but the last record the first action holds an image pad the policy
-    sampled itself."""
+    generated action."""
     g = torch.Generator().manual_seed(0)
     text = lambda n: torch.randint(10, 3000, (n,), generator=g).tolist()  # noqa: E731
     records = []
@@ -57,7 +58,7 @@ def _records(cfg: VLModelConfig, processor: ImageProcessor) -> list[dict]:
             mask += [0] * (len(pads) + 7)
             images.append(encode_image_for_record(data))
             grids.append(list(grid))
-            action = text(4) + ([cfg.image_token_id] if k == 0 and i < len(IMAGE_SIZES) - 1 else [])
+            action = text(4)
             ids += action
             mask += [1] * len(action)
         ids += text(5)
@@ -111,47 +112,19 @@ def _rows(per_micro_batch: list[torch.Tensor], lengths: list[int]) -> list[torch
 
 
 @torch.no_grad()
-def _hf_logprobs(model, record: dict, path: str, cfg: VLModelConfig, composed: bool | None = None) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) from transformers, with the record's images. # [T], 0 at t = 0
-
-    HF's own forward takes every image pad for an image position; an image pad the policy
-    generated is an ordinary token (as in SGLang and the trainer). For such records the forward
-    is composed from HF's own parts (vision tower, embedding, MRoPE index, language model with
-    DeepStack, head) with the trainer's image mask; `composed=True` forces that path.
-    """
+def _hf_logprobs(model, record: dict, path: str, cfg: VLModelConfig) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) from transformers with the record's images, over the policy's
+    action space (vision special tokens excluded, as SGLang samples). # [T], 0 at t = 0"""
     ids = torch.tensor(record["token_ids"])
     fields = TrajectoryImages.for_model(cfg, path).fields(record, ids, torch.tensor(record["loss_mask"]))
-    if "pixel_values" not in fields:
-        logits = model(input_ids=ids[None]).logits[0]
-    else:
-        mask = fields["image_mask"]
-        if composed is None:
-            composed = bool(((ids == cfg.image_token_id) & ~mask).any())
-        if not composed:
-            logits = model(input_ids=ids[None], pixel_values=fields["pixel_values"],
-                           image_grid_thw=fields["image_grid_thw"], mm_token_type_ids=mask[None].int()).logits[0]
-        else:
-            vision = model.model.get_image_features(fields["pixel_values"], fields["image_grid_thw"])
-            embeds = model.model.get_input_embeddings()(ids[None]).clone()
-            embeds[0, mask] = torch.cat(vision.pooler_output)
-            positions, _ = model.model.get_rope_index(ids[None], mm_token_type_ids=mask[None].int(),
-                                                      image_grid_thw=fields["image_grid_thw"])
-            hidden = model.model.language_model(
-                inputs_embeds=embeds, position_ids=positions, visual_pos_masks=mask[None],
-                deepstack_visual_embeds=[torch.cat(f) for f in vision.deepstack_features]).last_hidden_state
-            logits = model.lm_head(hidden)[0]
-    picked = torch.log_softmax(logits.float()[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+    kwargs = {}
+    if "pixel_values" in fields:
+        kwargs = dict(pixel_values=fields["pixel_values"], image_grid_thw=fields["image_grid_thw"],
+                      mm_token_type_ids=fields["image_mask"][None].int())
+    logits = model(input_ids=ids[None], **kwargs).logits[0].float()
+    logits[:, list(banned_token_ids(cfg))] = BANNED_LOGIT
+    picked = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
     return torch.cat([torch.zeros(1), picked])
-
-
-def test_composed_hf_reference_is_hf_forward(setup):
-    path, cfg, records, _ = setup
-    hf = load_hf_vl_model(path)
-    clean = records[-1]
-    assert clean["token_ids"].count(cfg.image_token_id) == sum(
-        n for n in (ImageProcessor(path).num_tokens(g) for g in clean["image_grid_thw"]))
-    torch.testing.assert_close(_hf_logprobs(hf, clean, path, cfg, composed=True),
-                               _hf_logprobs(hf, clean, path, cfg, composed=False), rtol=0, atol=1e-6)
 
 
 def test_micro_batches_mix_rows_with_and_without_images(run):

@@ -82,7 +82,7 @@ class FakeEngine:
         if session_id is not None:
             self.sessions[session_id] = context + len(out)
         self.calls.append({"ids": list(input_ids), "images": list(image_data or []), "session": session_id,
-                           "previous": previous_rid, "stop": sampling_params.get("stop_token_ids")})
+                           "previous": previous_rid, "bias": sampling_params.get("logit_bias")})
         return Generation(output_ids=out, logprobs=[-1.0] * len(out), finish_reason="stop", prompt_tokens=context,
                           cached_tokens=0, rid=f"r{len(self.calls)}")
 
@@ -139,7 +139,8 @@ def test_a_live_session_gets_only_the_new_ids_and_images(chat):
     assert second["previous"] == "r1" and second["images"] == IMAGES[1]
     assert third["images"] == IMAGES[2]
     assert second["ids"].count(chat.images.image_token_id) == 2  # one pad per image
-    assert all(c["stop"] == chat.images.stop_token_ids for c in engine.calls)
+    banned = set(chat.images.logit_bias)
+    assert all(set(c["bias"]) == banned and set(c["bias"].values()) == {-1e9} for c in engine.calls)
 
 
 def test_without_sessions_every_turn_resends_the_context_with_every_image(chat):
@@ -152,12 +153,12 @@ def test_without_sessions_every_turn_resends_the_context_with_every_image(chat):
     assert traj.image_tokens == traj.token_ids.count(chat.images.image_token_id)
 
 
-def test_a_generated_vision_token_ends_the_episode(chat):
-    engine = FakeEngine(chat.images, outputs=[[40, chat.images.image_token_id]])
-    env = FakeEnv(IMAGES, turns=3)
-    traj = _run(chat, engine, env)
-    assert traj.truncated and traj.info["vision_token_generated"] and env.steps == 0
-    assert traj.loss_mask[-1] == 1 and traj.token_ids[-1] == chat.images.image_token_id
+def test_the_policy_never_samples_a_vision_special_token(ckpt, chat):
+    from tide_megatron.models.policy import banned_token_ids
+
+    _, cfg = ckpt
+    assert set(chat.images.logit_bias) == {str(t) for t in banned_token_ids(cfg)}
+    assert {cfg.image_token_id, cfg.vision_start_token_id} <= set(banned_token_ids(cfg))
 
 
 def test_a_corrupt_image_fails_the_task_with_a_clear_error(chat):
