@@ -74,7 +74,6 @@ def expert_records(job, chat, n: int, seed: int) -> list[dict]:
 
 def warm_start(job, out_dir: Path, steps: int, batch: int, lr: float) -> tuple[str, list[float]]:
     """Write the recipe's random checkpoint, behaviour-clone the expert's first actions, save."""
-    import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 

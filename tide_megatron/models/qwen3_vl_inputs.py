@@ -20,9 +20,12 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 class ImageInputError(ValueError):
@@ -55,7 +58,7 @@ class ImageProcessor:
         self.min_pixels = int(self.hf.size["shortest_edge"])
         self.max_pixels = int(self.hf.size["longest_edge"])
 
-    def decode(self, data: bytes, what: str = "image") -> "Image.Image":  # noqa: F821
+    def decode(self, data: bytes, what: str = "image") -> "Image.Image":
         """Encoded PNG/JPEG bytes -> an RGB PIL image, or `ImageInputError` naming `what`."""
         from PIL import Image, UnidentifiedImageError
 
@@ -91,7 +94,7 @@ class ImageProcessor:
         t, h, w = grid
         return t * h * w // self.merge_size ** 2
 
-    def pixel_values(self, images: Sequence["Image.Image"]) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: F821
+    def pixel_values(self, images: Sequence["Image.Image"]) -> tuple[torch.Tensor, torch.Tensor]:
         """Images -> (pixel values # [patches, patch_dim] float32, grids # [images, 3] int64)."""
         out = self.hf(images=list(images), return_tensors="pt")
         return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.long)
