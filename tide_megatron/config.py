@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
-from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig
+from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resources
 from tide_megatron.rollout.engine import RolloutEngineConfig
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 from tide_megatron.trainer.config import TrainerConfig
@@ -264,6 +264,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
     if cfg.run.steps < 1:
         raise ValueError("run.steps must be >= 1")
+    if cfg.scheduler.mode == "tide":
+        check_ctb_resources(cfg.ctb, max_running_requests=cfg.rollout.engine.max_running_requests,
+                            max_total_tokens=cfg.rollout.engine.max_total_tokens)
     if cfg.envs.train_env not in {e.key for e in cfg.envs.server.envs} and not cfg.envs.external:
         raise ValueError(
             f"envs.train_env={cfg.envs.train_env!r} is not served; envs.server.envs offers "

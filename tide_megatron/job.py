@@ -208,12 +208,17 @@ class Job:
 
         cfg = self.cfg
         engine_cfg = dataclasses.replace(cfg.rollout.engine, seed=cfg.run.seed + self.topo.rank)
-        engine = RolloutEngine(engine_cfg, self.model_path)
-        self._closers.append(engine)
+
+        def new_engine() -> RolloutEngine:
+            return RolloutEngine(engine_cfg, self.model_path)
+
         client = EnvClient(self._client_config())
-        worker = RolloutWorker(self.topo.rank, engine, cfg.rollout.runner,
+        worker = RolloutWorker(self.topo.rank, new_engine(), cfg.rollout.runner,
                                build_chat(self.model_path, cfg.rollout.runner.system_prompt), client, self.mailbox,
-                               self.topo.job_group, heartbeat_interval_s=cfg.scheduler.heartbeat_interval_s)
+                               self.topo.job_group, heartbeat_interval_s=cfg.scheduler.heartbeat_interval_s,
+                               engine_factory=new_engine)
+        self._closers.append(worker)  # shuts down whichever engine the worker runs at the end
+        engine = worker.engine
         engine.loop.run_until_complete(client.connect())
         try:
             worker.run()

@@ -191,8 +191,17 @@ class TaskFailed(Message):
 
 
 @dataclass
+class TaskReleased(Message):
+    """A paused task holds nothing on the rank any more (its session is closed)."""
+
+    KIND: ClassVar[str] = "task_released"
+    task_id: str
+
+
+@dataclass
 class TaskCancelled(Message):
-    """A task stopped on `CancelTask` (or was never started); its tokens are wasted."""
+    """A task stopped on `CancelTask` and holds nothing any more (or was not there); its
+    tokens are wasted. No trajectory or failure of it follows."""
 
     KIND: ClassVar[str] = "task_cancelled"
     task_id: str

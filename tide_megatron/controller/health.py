@@ -55,7 +55,11 @@ class RolloutHealth:
         return sorted(self._ranks)
 
     def add_rank(self, rank: int, now: float) -> None:
-        self._ranks[rank] = _Rank(last_seen=now)
+        """A rank is ready (again, after replacing its engine: its counts carry on)."""
+        if rank in self._ranks:
+            self._ranks[rank].last_seen = now
+        else:
+            self._ranks[rank] = _Rank(last_seen=now)
 
     def remove_rank(self, rank: int) -> None:
         self._ranks.pop(rank, None)

@@ -8,7 +8,7 @@ same names and meanings (`tide_megatron/sim`).
 | mode          | rollout runs           | trainer consumes                   | executor                     | tasks placed by |
 |---------------|------------------------|------------------------------------|------------------------------|-----------------|
 | sync          | only before each step  | the whole global batch             | Ref over all, then Actor     | request level   |
-| async_static  | always (fixed split)   | the whole global batch when ready  | colocated, one aggregated round (CM) | request level |
+| async_static  | always (fixed split)   | the whole global batch when ready  | Ref over the batch, one swap, Actor | request level |
 | stream        | always (fixed split)   | micro-batches as they arrive       | Ref/Actor alternation with offload (VSO) | request level |
 | tide          | always                 | micro-batches as they arrive       | RA2P: colocated or decoupled by RAS/TPRM | CTB      |
 
@@ -36,8 +36,9 @@ class ModePolicy:
     """The trainer starts on the first ready group and takes later ones as they arrive
     (False: it waits for the whole global batch)."""
     executor: str
-    """`colocated` (aggregated rounds), `vso` (alternation per micro-batch, offload), `vs` (both
-    resident), `decoupled`, or `auto` (RA2P's choice each step)."""
+    """`colocated` (RA2P's aggregated rounds, at most `ra2p.cost_model.aggregation_limit`
+    micro-batches each), `batch` (one round over the whole batch), `vso` (alternation per
+    micro-batch, offload), `vs` (both resident), `decoupled`, or `auto` (RA2P's choice each step)."""
     task_level: bool
     """Tasks are placed by CTB (task-level admission, pausing) instead of request level."""
 
@@ -47,7 +48,7 @@ def mode_policy(mode: str, *, ra2p_executor: str = "auto", ctb_enabled: bool = T
     if mode == "sync":
         return ModePolicy("sync", continuous_rollout=False, streaming=False, executor="colocated", task_level=False)
     if mode == "async_static":
-        return ModePolicy("async_static", continuous_rollout=True, streaming=False, executor="colocated",
+        return ModePolicy("async_static", continuous_rollout=True, streaming=False, executor="batch",
                           task_level=False)
     if mode == "stream":
         return ModePolicy("stream", continuous_rollout=True, streaming=True, executor="vso", task_level=False)

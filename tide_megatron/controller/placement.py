@@ -29,7 +29,8 @@ class RequestPlacement:
         self.max_tasks_per_rank = max_tasks_per_rank
         self._load = {r: 0 for r in ranks}
         self._queue: deque[TaskAssignment] = deque()
-        self._where: dict[str, int] = {}
+        self._where: dict[str, int] = {}  # running task -> its rank
+        self._cancelled: set[str] = set()  # running tasks told to stop, until their rank answers
         self._home: dict[str, int] = {}  # group -> the rank its members go to
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when a group's first task is sent to a rank (its admission, for staleness)."""
@@ -46,9 +47,14 @@ class RequestPlacement:
         else:
             self._queue.extend(items)
 
-    def dispatch(self, now: float, unconsumed_trajectories: int = 0) -> None:
-        """Post queued tasks while some rank has room; a group stays on its first rank."""
-        del now, unconsumed_trajectories  # request level: no readiness input
+    def dispatch(self, now: float, unconsumed_trajectories: int = 0, clock=None) -> list[str]:
+        """Post queued tasks while some rank has room; a group stays on its first rank.
+        Returns the groups it cancelled: none (request level has no deadlines)."""
+        del now, unconsumed_trajectories, clock  # request level: no readiness input
+        self._post_queued()
+        return []
+
+    def _post_queued(self) -> None:
         while self._queue and self._load:
             a = self._queue[0]
             rank = self._home.get(a.group_id)
@@ -65,26 +71,41 @@ class RequestPlacement:
             self.stats["dispatched"] += 1
             self.mailbox.post(rank, RunTask(a))
 
-    def running_on(self, task_id: str) -> Optional[int]:
-        return self._where.get(task_id)
+    def finished(self, task_id: str, rank: int, context_tokens: Optional[int] = None) -> bool:
+        """A trajectory arrived; False when the task was cancelled meanwhile (drop it)."""
+        return self._end(task_id, rank)
 
-    def release(self, task_id: str, context_tokens: Optional[int] = None) -> None:
-        """The task ended on its rank (done, failed or cancelled): its slot is free."""
-        rank = self._where.pop(task_id, None)
-        if rank is not None and rank in self._load:
-            self._load[rank] -= 1
+    def failed(self, task_id: str, rank: int, error: str) -> bool:
+        return self._end(task_id, rank)
 
-    def cancel(self, task_id: str, reason: str) -> bool:
-        """Stop a task; True when it runs on a rank (a `TaskCancelled` will follow)."""
-        for a in list(self._queue):
-            if a.trajectory_id == task_id:
-                self._queue.remove(a)
-                return False
-        rank = self._where.get(task_id)
-        if rank is None:
+    def released(self, task_id: str, rank: int) -> None:
+        """The rank dropped a cancelled task: its slot is free."""
+        self._end(task_id, rank)
+
+    def _end(self, task_id: str, rank: int) -> bool:
+        if self._where.get(task_id) != rank:
             return False
-        self.mailbox.post(rank, CancelTask(task_id, reason))
+        del self._where[task_id]
+        if rank in self._load:
+            self._load[rank] -= 1
+        if task_id in self._cancelled:
+            self._cancelled.discard(task_id)
+            return False
         return True
+
+    def retry(self, assignment: TaskAssignment) -> None:
+        """Run a failed task again from scratch, ahead of new groups."""
+        self._cancelled.discard(assignment.trajectory_id)
+        self.submit([assignment], front=True)
+
+    def cancel_group(self, group_id: str, reason: str) -> None:
+        """Stop a group's tasks: queued ones are dropped, running ones cancelled on their rank
+        (its `TaskCancelled` frees the slot; a trajectory that crosses the cancel is stale)."""
+        self._queue = deque(a for a in self._queue if a.group_id != group_id)
+        for tid, rank in list(self._where.items()):
+            if tid.rsplit("/", 1)[0] == group_id and tid not in self._cancelled:
+                self._cancelled.add(tid)
+                self.mailbox.post(rank, CancelTask(tid, reason))
 
     def on_turn(self, event) -> None:
         """Request level has no per-turn state (tasks are never paused)."""

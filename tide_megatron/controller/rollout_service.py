@@ -33,9 +33,11 @@ from tide_megatron.comm.messages import (
     TaskAssignment,
     TaskCancelled,
     TaskFailed,
+    TaskReleased,
     TrajectoryDone,
     TurnEvent,
 )
+from tide_megatron.core.ctb_deadline import ConsumptionMeter, TrainerClock
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import ModePolicy
 from tide_megatron.core.buffer import CompletedGroup, GlobalBuffer
@@ -80,6 +82,8 @@ class RolloutService(threading.Thread):
         self._stream: Optional[tuple[Any, int, Callable[[CompletedGroup], None]]] = None
         self._step_consumed_groups = 0
         self._eval_groups: dict[str, int] = {}  # eval group -> the model version it evaluates
+        self._consumption = ConsumptionMeter(window_steps=4)
+        self._step_started: Optional[float] = None
         placement.on_group_started = self._on_group_started
 
     # ------------------------------------------------------------------ main-thread API
@@ -123,7 +127,7 @@ class RolloutService(threading.Thread):
             while not self._stopping.is_set():
                 self._pump()
                 self._start_groups()
-                self.placement.dispatch(time.monotonic(), self.buffer.unconsumed_trajectories())
+                self._place()
                 self._feed_stream()
                 self._serve_calls()
                 problem = self.health.check(time.monotonic(), outstanding=self._outstanding())
@@ -182,6 +186,8 @@ class RolloutService(threading.Thread):
                 self._on_failed(msg, now)
             elif isinstance(msg, TaskCancelled):
                 self._on_cancelled(msg, now)
+            elif isinstance(msg, TaskReleased):
+                self.placement.released(msg.task_id, msg.src)
             elif isinstance(msg, TurnEvent):
                 self.health.progressed(now)
                 self.placement.on_turn(msg)
@@ -198,12 +204,12 @@ class RolloutService(threading.Thread):
     def _on_trajectory(self, msg: TrajectoryDone, now: float) -> None:
         traj = msg.trajectory
         tid = traj.trajectory_id
-        self.placement.release(tid, len(traj.token_ids))
+        fresh = self.placement.finished(tid, msg.src, len(traj.token_ids))
         self.health.booked(msg.src, traj.generated_tokens, now)
-        self._attempts.pop(tid, None)
-        if traj.group_id not in self._live:  # its group was cancelled or failed meanwhile
+        if not fresh or traj.group_id not in self._live:  # cancelled, or its group ended meanwhile
             self.buffer.ledger.book_attempt(traj.generated_tokens, fate="cancelled")
             return
+        self._attempts.pop(tid, None)
         done = self.buffer.add_trajectory(traj, now, consumer_version=self.version)
         self.evals.record(traj)
         if not self.buffer.is_pending(traj.group_id):  # completed (ready, dropped or evaluated)
@@ -214,19 +220,21 @@ class RolloutService(threading.Thread):
     def _on_failed(self, msg: TaskFailed, now: float) -> None:
         a = msg.assignment
         tid = a.trajectory_id
-        self.placement.release(tid, None)
+        fresh = self.placement.failed(tid, msg.src, msg.error)
         self.health.booked(msg.src, msg.generated_tokens, now)
         self.buffer.ledger.book_attempt(msg.generated_tokens, fate="failed")
         self.counters["task_failures"] += 1
-        if a.group_id not in self._live:
+        if not fresh or a.group_id not in self._live:
             return
-        if a.attempt < self.max_task_retries:
-            logger.warning("retrying %s (attempt %d) after: %s", tid, a.attempt + 1, msg.error)
+        attempt = self._attempts.get(tid, 0)
+        if attempt < self.max_task_retries:
+            logger.warning("retrying %s (attempt %d) after: %s", tid, attempt + 1, msg.error)
+            self._attempts[tid] = attempt + 1
             self.counters["retries"] += 1
-            self.placement.submit([TaskAssignment(a.task, a.group_id, a.index, a.is_eval, a.attempt + 1)], front=True)
+            self.placement.retry(TaskAssignment(a.task, a.group_id, a.index, a.is_eval, attempt + 1))
             return
         logger.warning("giving up group %s: %s failed %d times, last on rank %d: %s",
-                       a.group_id, tid, a.attempt + 1, msg.src, msg.error)
+                       a.group_id, tid, attempt + 1, msg.src, msg.error)
         self._give_up_group(a.group_id, failed=True, reason=f"{tid} failed: {msg.error}", now=now)
         self._consecutive_failed_groups += 1
         if self._consecutive_failed_groups > self.max_failed_groups:
@@ -235,7 +243,7 @@ class RolloutService(threading.Thread):
                            f"{msg.src} for {tid}: {msg.error}")
 
     def _on_cancelled(self, msg: TaskCancelled, now: float) -> None:
-        self.placement.release(msg.task_id, None)
+        self.placement.released(msg.task_id, msg.src)
         self.health.booked(msg.src, msg.generated_tokens, now)
         self.buffer.ledger.book_attempt(msg.generated_tokens, fate="cancelled")
 
@@ -246,6 +254,22 @@ class RolloutService(threading.Thread):
             logger.error("%d generated tokens were never booked (a task or message vanished)",
                          unbooked - self.buffer.ledger.lost)
             self.buffer.ledger.lose(unbooked - self.buffer.ledger.lost)
+
+    def _place(self) -> None:
+        """One placement pass; with CTB, groups past their staleness deadline come back cancelled."""
+        now = time.monotonic()
+        for gid in self.placement.dispatch(now, self.buffer.unconsumed_trajectories(), clock=self._clock(now)):
+            if gid in self._live:
+                self._give_up_group(gid, failed=False, reason="past its staleness deadline", now=now)
+
+    def _clock(self, now: float) -> Optional[TrainerClock]:
+        """The trainer's clock for deadline-aware admission (None until a step was measured)."""
+        est = self.buffer.estimate()
+        if not self.mode.continuous_rollout or not est.steps_observed:
+            return None
+        started = self._step_started if self._step_started is not None else now
+        return TrainerClock(version=self.version, step_time_s=est.step_time_s,
+                            next_sync_at=started + est.step_time_s, consumed_per_s=self._consumption.rate())
 
     # ------------------------------------------------------------------ groups
     def request_groups(self, n: int) -> None:
@@ -293,8 +317,9 @@ class RolloutService(threading.Thread):
 
     def _give_up_group(self, gid: str, *, failed: bool, reason: str, now: float) -> None:
         """Cancel a group's other members and end it in the buffer (failed or cancelled)."""
+        self.placement.cancel_group(gid, reason)
         for a in self._live.get(gid, []):
-            self.placement.cancel(a.trajectory_id, reason)
+            self._attempts.pop(a.trajectory_id, None)
         if self.buffer.is_pending(gid):
             if failed:
                 self.buffer.fail_group(gid, now)
@@ -333,6 +358,7 @@ class RolloutService(threading.Thread):
         now = time.monotonic()
         hol = self.buffer.head_of_line_latency(now)
         ras = self.buffer.begin_step(now)
+        self._step_started = now
         taken = self.buffer.fetch(self.version, now, max_groups * self.group_size)
         self._step_consumed_groups = len(taken)
         return ras, hol, taken
@@ -353,11 +379,11 @@ class RolloutService(threading.Thread):
             on_group(taken[0])
 
     def batch_ready(self) -> bool:
-        return self.buffer.fetchable_trajectories(self.version) >= self.buffer.config.b_min
+        return self.buffer.batch_available(self.version)
 
     def step_can_open(self) -> bool:
         """A streaming step starts once it has a group to train, or one it must wait for."""
-        return self.buffer.fetchable_trajectories(self.version) > 0 or \
+        return self.buffer.fetchable_trajectories(self.version, self.groups_per_step * self.group_size) > 0 or \
             self.buffer.last_chance_reserve(self.version) > 0
 
     def fetch_batch(self):
@@ -369,7 +395,9 @@ class RolloutService(threading.Thread):
             return None
         hol = self.buffer.head_of_line_latency(now)
         ras = self.buffer.begin_step(now)
+        self._step_started = now
         batch = self.buffer.fetch_batch(self.version, now)
+        assert batch is not None, "batch_available and fetch_batch disagree"
         self._step_consumed_groups = len(batch.groups)
         return batch, ras, hol
 
@@ -378,7 +406,12 @@ class RolloutService(threading.Thread):
         a group started now would be stamped with the old version though the new weights
         reach the ranks before its tasks do."""
         self._stream = None
-        return self.buffer.end_step(time.monotonic())
+        now = time.monotonic()
+        readiness = self.buffer.end_step(now)
+        if self._step_started is not None:
+            self._consumption.record_step(self._step_started, now, self._step_consumed_groups * self.group_size)
+        self._step_started = None
+        return readiness
 
     # ------------------------------------------------------------------ views
     def ledger_snapshot(self) -> dict[str, int]:

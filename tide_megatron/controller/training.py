@@ -70,10 +70,13 @@ def _trajectory_json(t: Trajectory) -> dict[str, Any]:
     return data
 
 
-def _executor_config(name: str) -> ColocatedConfig:
+def _executor_config(name: str, aggregation_limit: int) -> ColocatedConfig:
+    """The colocated executor's knobs for a mode's executor name (see `modes.py`)."""
     return {"vs": ColocatedConfig.vanilla_streaming(offload=False),
             "vso": ColocatedConfig.vanilla_streaming(offload=True),
-            "resident": ColocatedConfig(offload=False, name="colocated_resident")}.get(name, ColocatedConfig())
+            "resident": ColocatedConfig(offload=False, name="colocated_resident"),
+            "batch": ColocatedConfig(name="colocated_batch"),
+            }.get(name, ColocatedConfig(aggregation_limit=aggregation_limit))
 
 
 class TrainerDriver:
@@ -93,7 +96,8 @@ class TrainerDriver:
         name = "resident" if mode.name == "sync" else mode.executor
         self.colocated = None  # trainer.kl_coef == 0: no reference model, the actor alone trains
         if trainer.ref is not None:
-            self.colocated = ColocatedExecutor(trainer.actor, trainer.ref, _executor_config(name), self.meter)
+            self.colocated = ColocatedExecutor(trainer.actor, trainer.ref,
+                                               _executor_config(name, cfg.ra2p.cost_model.aggregation_limit), self.meter)
         self.ref_rank = topo.ref_ranks[0] if topo.ref_ranks else None
         self.decoupled = None
         if self.ref_rank is not None:
@@ -104,7 +108,7 @@ class TrainerDriver:
     # -- the mode of this step ------------------------------------------------------------
     def choose(self, ras: float, tprm_s: Optional[float], n_mb: int) -> tuple[RA2PMode, Optional[ModeChoice]]:
         forced = self.mode.executor
-        if forced != "auto":
+        if forced != "auto":  # every executor but `decoupled` runs Ref and Actor on this rank
             return (RA2PMode.DECOUPLED if forced == "decoupled" else RA2PMode.COLOCATED), None
         choice = self.selector.choose(ras, tprm_s if tprm_s is not None else COLD_START_TPRM_S, n_mb,
                                       dp_size=1, ref_rank_available=self.ref_rank is not None)

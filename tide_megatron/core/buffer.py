@@ -471,30 +471,49 @@ class GlobalBuffer:
         return sum(g.size for g in self._pending.values()
                    if not g.is_eval and g.oldest_version is not None and consumer_version - g.oldest_version == bound)
 
+    def _select(self, consumer_version: int, max_trajectories: int, *, max_groups: Optional[int] = None,
+                b_min: int = 0, retaining: bool = False) -> list[Hashable]:
+        """The ready groups a fetch takes, in order, without taking them: fresh ones, earliest
+        deadline first, up to `max_trajectories`, keeping room for last-chance groups still
+        running; in retention mode stopping past `b_min` before the reservoir would be touched."""
+        reserve = self.last_chance_reserve(consumer_version)
+        reservoir = self.config.reservoir_micro_batches * self.signals.micro_batch_tokens
+        remaining_tokens = self.ready_tokens()
+        chosen: list[Hashable] = []
+        count = 0
+        for gid, grp in self._by_deadline():
+            if not self.is_fresh(grp.policy_version, consumer_version):
+                continue
+            room = 0 if consumer_version - grp.policy_version == self.config.max_staleness else reserve
+            if count + len(grp) + room > max_trajectories or (max_groups is not None and len(chosen) >= max_groups):
+                break  # in order: skipping ahead would let the head group age
+            if retaining and count >= b_min and remaining_tokens - grp.total_tokens < reservoir:
+                break
+            chosen.append(gid)
+            count += len(grp)
+            remaining_tokens -= grp.total_tokens
+        return chosen
+
     def fetch(self, consumer_version: int, now: float, max_trajectories: int,
               max_groups: Optional[int] = None) -> list[CompletedGroup]:
         """Take whole fresh groups, earliest deadline first, up to `max_trajectories` (and
         `max_groups`), leaving room for groups whose last chance this consumer is (streaming fetch)."""
         self.drop_stale(consumer_version, now)
-        reserve = self.last_chance_reserve(consumer_version)
-        taken: list[CompletedGroup] = []
-        count = 0
-        for gid, grp in self._by_deadline():
-            room = 0 if consumer_version - grp.policy_version == self.config.max_staleness else reserve
-            if count + len(grp) + room > max_trajectories or (max_groups is not None and len(taken) >= max_groups):
-                break  # in order: skipping ahead would let the head group age
-            taken.append(self._consume(gid, consumer_version, now))
-            count += len(grp)
-        return taken
+        return [self._consume(gid, consumer_version, now)
+                for gid in self._select(consumer_version, max_trajectories, max_groups=max_groups)]
 
-    def fetchable_trajectories(self, consumer_version: int) -> int:
-        """Ready trajectories a fetch for `consumer_version` may take now (fresh ones, minus the
-        room kept for last-chance groups still running)."""
-        fresh = sum(len(g) for g in self._ready.values() if self.is_fresh(g.policy_version, consumer_version))
-        return max(fresh - self.last_chance_reserve(consumer_version), 0) if fresh else 0
+    def fetchable_trajectories(self, consumer_version: int, max_trajectories: int) -> int:
+        """Trajectories a `fetch` of up to `max_trajectories` would take now."""
+        return sum(len(self._ready[g]) for g in self._select(consumer_version, max_trajectories))
+
+    def batch_available(self, consumer_version: int) -> bool:
+        """Whether `fetch_batch` would return a batch now."""
+        cfg = self.config
+        chosen = self._select(consumer_version, cfg.b_ideal, b_min=cfg.b_min, retaining=self.retaining)
+        return sum(len(self._ready[g]) for g in chosen) >= cfg.b_min
 
     def fetch_batch(self, consumer_version: int, now: float) -> Optional[TrainingBatch]:
-        """The elastic batch: None until B_min trajectories are ready, else up to B_ideal.
+        """The elastic batch: None until B_min trajectories can be taken, else up to B_ideal.
 
         In retention mode (after a rollout scale-down) the fetch stops at B_min when going
         further would leave less than the micro-batch reservoir behind.
@@ -504,28 +523,14 @@ class GlobalBuffer:
         if self.ready_trajectories() < cfg.b_min:
             return None
         reservoir = cfg.reservoir_micro_batches * self.signals.micro_batch_tokens
-        retaining = self._retention_fetches_left > 0
-        if retaining and self.ready_trajectories() >= cfg.b_ideal and \
+        if self.retaining and self.ready_trajectories() >= cfg.b_ideal and \
                 self.ready_tokens() - self._head_tokens(cfg.b_ideal) >= reservoir:
             # Rollout caught up: a full batch still leaves the reservoir, so stop pacing.
             self._retention_fetches_left = 0
-            retaining = False
-        remaining_tokens = self.ready_tokens()
-        reserve = self.last_chance_reserve(consumer_version)
-        chosen: list[Hashable] = []
-        count = 0
-        for gid, grp in self._by_deadline():
-            room = 0 if consumer_version - grp.policy_version == cfg.max_staleness else reserve
-            if count + len(grp) + room > cfg.b_ideal:
-                break
-            if retaining and count >= cfg.b_min and remaining_tokens - grp.total_tokens < reservoir:
-                break
-            chosen.append(gid)
-            count += len(grp)
-            remaining_tokens -= grp.total_tokens
-        if count < cfg.b_min:
-            # Only reachable with irregular group sizes: whole groups cannot reach B_min
-            # without passing B_ideal. Consume nothing rather than a partial batch.
+        retaining = self.retaining
+        chosen = self._select(consumer_version, cfg.b_ideal, b_min=cfg.b_min, retaining=retaining)
+        if sum(len(self._ready[g]) for g in chosen) < cfg.b_min:
+            # Too few whole fresh groups (or room kept for a group on its last chance): wait.
             return None
         taken = [self._consume(gid, consumer_version, now) for gid in chosen]
         if retaining:

@@ -104,26 +104,28 @@ class CTBTaskRunner:
         self.chat = chat
         self.env = env
         self.use_sessions = use_sessions
+        self.images = getattr(chat, "images", None)
+        """The policy's image handling (`multimodal.ImagePrompts`); None for a text-only policy."""
 
     def _sampling(self, remaining: int) -> dict[str, Any]:
         params = {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
                   "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
-        if self.chat.images is not None:
-            params["logit_bias"] = self.chat.images.logit_bias
+        if self.images is not None:
+            params["logit_bias"] = self.images.logit_bias
         return params
 
     def _observation(self, result: Any, what: str, render) -> tuple[list[int], list[int], list]:
-        """(ids SGLang is sent, ids of the context, images) of one observation; `render(n)`
-        gives the one-pad ids of its turn with n images."""
+        """(ids SGLang is sent, ids of the context, images) of one observation; `render()` gives
+        the ids of its turn, `render(n)` with n images (one pad each)."""
         data = observation_images(result)
         if not data:
-            ids = render(0)
+            ids = render()
             return ids, ids, []
-        if self.chat.images is None:
+        if self.images is None:
             raise ImageInputError(f"{what}: the env returned {len(data)} image(s), but the policy is text-only")
-        images = self.chat.images.prepare(data, what)
+        images = self.images.prepare(data, what)
         send = render(len(images))
-        return send, self.chat.images.expand(send, images, what), images
+        return send, self.images.expand(send, images, what), images
 
     async def run(self, assignment: TaskAssignment, handle: TaskHandle, listener: TurnListener) -> Trajectory:
         started = time.time()
@@ -132,14 +134,14 @@ class CTBTaskRunner:
         async with self.env.session(assignment.task["env"], assignment.task["task_id"],
                                     assignment.trajectory_id) as first:
             what = f"task {assignment.trajectory_id} turn 0"
-            send, ids, images = self._observation(first, what, lambda n: self.chat.prompt_ids(first.observation, n))
+            send, ids, images = self._observation(first, what, lambda *n: self.chat.prompt_ids(first.observation, *n))
             if images and len(ids) > self.cfg.max_context_tokens:
                 raise ImageInputError(f"{what}: the first observation takes {len(ids)} tokens, over "
                                       f"max_context_tokens={self.cfg.max_context_tokens}")
             ep = _Episode(tokens=[], env_wait_s=time.monotonic() - t0,
                           version=self.engines[handle.rank].weight_version if handle.rank in self.engines
                           else min(e.weight_version for e in self.engines.values()),
-                          send_tokens=[] if self.chat.images is not None else None)
+                          send_tokens=[] if self.images is not None else None)
             ep.append(ids, 0, send_ids=send, images=images)
             try:
                 await self._turns(first.session_id, ep, handle, listener, (send, images), assignment.trajectory_id)
@@ -192,7 +194,7 @@ class CTBTaskRunner:
             if not done:
                 send, ids, images = self._observation(
                     result, f"task {task_id} turn {ep.turns}",
-                    lambda n: self.chat.user_turn_ids(result.observation, gen.output_ids, n))
+                    lambda *n: self.chat.user_turn_ids(result.observation, gen.output_ids, *n))
                 if images and len(ep.tokens) + len(ids) > self.cfg.max_context_tokens:
                     ep.truncated = True  # the context ends before the turn: an image is never cut
                     return
@@ -244,6 +246,10 @@ class CTBTaskRunner:
             if ep.send_tokens is not None and gen.prompt_tokens != len(ep.tokens):
                 raise RuntimeError(f"task {handle.task_id}: SGLang's context has {gen.prompt_tokens} tokens, the "
                                    f"trajectory {len(ep.tokens)}: image pads expanded differently")
+            # SGLang's own per-request weight version, if it names one, cross-checks ours: a turn
+            # that (against the turn gate) straddled an update is booked under the older one.
+            if gen.weight_version is not None and str(gen.weight_version).isdigit():
+                version = min(version, int(gen.weight_version))
             ep.turns += 1
             ep.prompt_tokens += gen.prompt_tokens
             ep.cached_tokens += gen.cached_tokens
@@ -257,6 +263,7 @@ async def generate_tagged(engine: RolloutEngine, input_ids: list[int], sampling_
                           image_data: Optional[list[bytes]] = None) -> tuple[Generation, Optional[dict[str, Any]]]:
     """`RolloutEngine.generate` with a CTB-tagged rid; also returns the plugin's report."""
     session_params = session_params or {}
+    images = {"image_data": image_data} if image_data else {}  # text turns call the engine as before
     gen = await engine.generate(input_ids, sampling_params, session_params.get("id"), session_params.get("rid"),
-                                rid=tag.to_rid() if tag is not None else None, image_data=image_data or None)
+                                rid=tag.to_rid() if tag is not None else None, **images)
     return gen, gen.ctb_report

@@ -131,6 +131,16 @@ def _is_vision_language(model_path: str) -> bool:
         return False
 
 
+def _signal_handler_class(engine: "RolloutEngine"):
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+    class RankSignalHandler(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            engine._child_died(signum, frame)
+
+    return RankSignalHandler
+
+
 class RolloutEngine:
     """An SGLang engine serving one rollout rank."""
 
@@ -142,10 +152,27 @@ class RolloutEngine:
         if _is_vision_language(model_path):
             for key, value in VISION_LANGUAGE_SGLANG_ENV.items():
                 os.environ.setdefault(key, value)
+        self.died = False
+        """A subprocess of the engine (its scheduler) died; the engine must be replaced."""
+        kwargs = cfg.engine_kwargs(model_path)
+        # SGLang's default answer to a dead scheduler is to kill this whole process tree, which
+        # would take the rollout rank (and, under torchrun, the job) with it. Instead the rank
+        # is told, fails the engine's tasks (they are retried) and starts a new engine.
+        kwargs.setdefault("custom_sigquit_handler", self._child_died)
+        # SGLang reconfigures the root logger (basicConfig(force=True) at its log level): keep
+        # this rank's logging as it was and apply SGLang's level to SGLang's loggers only.
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
         with _without_torchelastic_store():
-            self._engine = Engine(**cfg.engine_kwargs(model_path))
+            self._engine = Engine(**kwargs)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.getLogger("sglang").setLevel(cfg.log_level.upper())
         self.loop: asyncio.AbstractEventLoop = self._engine.loop
         self._tm = self._engine.tokenizer_manager
+        # When it first runs, the tokenizer manager installs its own SIGQUIT handler (kill the
+        # process tree); give it one that reports to this engine instead.
+        self._tm.signal_handler_class = _signal_handler_class(self)
         self.weight_version = 0
         self.weight_epoch = 0
         """Counts weight loads: a session opened in an older epoch holds stale KV."""
@@ -155,6 +182,10 @@ class RolloutEngine:
         self._active_turns = 0
         self._no_turns = asyncio.Event()
         self._no_turns.set()
+
+    def _child_died(self, signum, frame) -> None:
+        logger.error("an SGLang subprocess of this rollout rank died; the engine will be replaced")
+        self.died = True
 
     @contextlib.asynccontextmanager
     async def turn(self):
@@ -294,6 +325,10 @@ class RolloutEngine:
     def shutdown(self) -> None:
         import multiprocessing
 
-        self._engine.shutdown()
-        for child in multiprocessing.active_children():  # reap the scheduler zombies
-            child.join(timeout=1)
+        try:
+            self._engine.shutdown()
+        finally:
+            for child in multiprocessing.active_children():  # reap the scheduler zombies
+                if self.died:
+                    child.kill()  # a dead engine's other subprocesses go too
+                child.join(timeout=1)

@@ -15,18 +15,24 @@ first (a vanished task shows up as lost tokens) and names the second when a run 
 On `LoadWeights` the rank joins the broadcast (in a thread, so running tasks keep going) and
 loads the new weights into its engine, which drains turns, drops stale sessions and flushes
 the cache first (see `engine.py`).
+
+If the engine dies (its scheduler subprocess crashed or was killed), the rank survives: its
+running tasks are reported failed (rank 0 retries them), a new engine starts, the last weights
+it received are loaded into it, and the rank reports ready again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sglang_patches.task_tag import TaskTag
+from tide_megatron.rollout.ctb_carrier import TagFields
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import (
@@ -41,6 +47,7 @@ from tide_megatron.comm.messages import (
     TaskAssignment,
     TaskCancelled,
     TaskFailed,
+    TaskReleased,
     TrajectoryDone,
     TurnEvent,
     WeightsLoaded,
@@ -53,6 +60,9 @@ from tide_megatron.rollout.task_runner import TaskRunnerConfig
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.02
+FAULT_KILL_ENGINE_ENV = "TIDE_FAULT_KILL_ENGINE_AFTER_VERSION"
+"""Test-only fault injector: after loading this weight version, the rank kills its own SGLang
+scheduler (as a crash would), so tests can show the rank and the run survive it."""
 
 
 @dataclass
@@ -72,12 +82,18 @@ class _Task:
     since: float = field(default_factory=time.monotonic)
     cancel_reason: Optional[str] = None
     job: Optional[asyncio.Task] = None
+    releasing: Optional[asyncio.Task] = None
+    """A pause's session release under way (a resume waits for it)."""
 
 
 class RolloutWorker:
     def __init__(self, rank: int, engine: RolloutEngine, runner_cfg: TaskRunnerConfig, chat: ChatFormat, env,
-                 mailbox: Mailbox, job_group, heartbeat_interval_s: float = 2.0):
+                 mailbox: Mailbox, job_group, heartbeat_interval_s: float = 2.0,
+                 engine_factory: Optional[Callable[[], RolloutEngine]] = None):
         self.rank = rank
+        self._engine_factory = engine_factory
+        self._last_weights: Optional[tuple[weight_sync.WeightManifest, Any]] = None
+        self.engine_restarts = 0
         self.job_group = job_group
         self.engine = engine
         self.mailbox = mailbox
@@ -93,53 +109,94 @@ class RolloutWorker:
         self._env_steps = 0
 
     def run(self) -> None:
-        self.engine.loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
         self._started = time.monotonic()
+        while self.engine.loop.run_until_complete(self._main()) == "engine died":
+            self._restart_engine()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    async def _main(self) -> str:
         cfg = self.engine.cfg
         self.mailbox.post(CONTROLLER, RankReady(engine={"max_total_tokens": cfg.max_total_tokens,
                                                         "max_running_requests": cfg.max_running_requests,
-                                                        "use_sessions": cfg.use_sessions}))
+                                                        "use_sessions": cfg.use_sessions,
+                                                        "restarts": self.engine_restarts}))
         next_beat = 0.0
-        while not self._stopping:
+        while not self._stopping and not self.engine.died:
             for msg in self.mailbox.poll():
                 await self._handle(msg)
+                if self.engine.died:
+                    break
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_interval_s
             await asyncio.sleep(POLL_INTERVAL_S)
+        if self.engine.died:
+            for task in self._tasks.values():  # reported failed: rank 0 retries them
+                task.cancel_reason = "the rollout engine died"
+                if task.job is not None:
+                    task.job.cancel()
         jobs = [t.job for t in self._tasks.values() if t.job is not None]
         if jobs:
             await asyncio.gather(*jobs, return_exceptions=True)
         self._heartbeat()
+        return "engine died" if self.engine.died and not self._stopping else "stopped"
+
+    def _restart_engine(self) -> None:
+        """Replace a dead engine; it gets the last weights this rank received."""
+        if self._engine_factory is None:
+            raise RuntimeError(f"rollout rank {self.rank}: the engine died and no factory can replace it")
+        logger.warning("rollout rank %d: restarting its engine", self.rank)
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("shutting down the dead engine")
+        self.engine = self._engine_factory()
+        self._engines[self.rank] = self.engine
+        self.engine_restarts += 1
+        if self._last_weights is not None:
+            manifest, flat = self._last_weights
+            self.engine.loop.run_until_complete(
+                self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
 
     async def _handle(self, msg) -> None:
         if isinstance(msg, RunTask):
             self._start(msg.assignment, msg.tag)
         elif isinstance(msg, PauseTask):
-            task = self._tasks.get(msg.task_id)
-            if task is not None and task.handle.rank is not None:
-                task.handle.pause(self._engines)
-                task.state, task.since = "paused", time.monotonic()
+            self._pause(msg.task_id)
         elif isinstance(msg, ResumeTask):
             task = self._tasks.get(msg.task_id)
             if task is not None:
                 task.tag = msg.tag
-                task.handle.place(self.rank)
+                if task.releasing is not None and not task.releasing.done():
+                    task.releasing.add_done_callback(lambda _, h=task.handle: h.place(self.rank))
+                else:
+                    task.handle.place(self.rank)
         elif isinstance(msg, CancelTask):
             task = self._tasks.get(msg.task_id)
-            if task is not None and task.job is not None:
-                task.cancel_reason = msg.reason or "cancelled"
-                task.job.cancel()
-            elif task is None:  # already finished or never here: say so, nothing to stop
+            if task is None:  # already finished or never here: nothing to stop
                 self.mailbox.post(CONTROLLER, TaskCancelled(msg.task_id, 0))
+            else:
+                task.cancel_reason = msg.reason or "cancelled"
+                if task.state != "generating":  # a turn in flight ends first (see _Listener)
+                    task.job.cancel()
         elif isinstance(msg, LoadWeights):
             await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest))
         elif isinstance(msg, Stop):
             self._stopping = True
         else:
             raise ValueError(f"rollout rank {self.rank}: unexpected message {msg!r}")
+
+    def _pause(self, task_id: str) -> None:
+        """No further turn; the session closes once no turn is in flight; then `TaskReleased`."""
+        task = self._tasks.get(task_id)
+        if task is None:  # finished meanwhile: it holds nothing
+            self.mailbox.post(CONTROLLER, TaskReleased(task_id))
+            return
+        task.releasing = task.handle.pause(self._engines)
+        task.state, task.since = "paused", time.monotonic()
+        task.releasing.add_done_callback(lambda _: self.mailbox.post(CONTROLLER, TaskReleased(task_id)))
 
     def _start(self, assignment: TaskAssignment, tag: Optional[dict[str, Any]]) -> None:
         tid = assignment.trajectory_id
@@ -160,8 +217,12 @@ class RolloutWorker:
             self._env_steps += task.state == "env step"
             self.mailbox.post(CONTROLLER, TrajectoryDone(trajectory))
         except asyncio.CancelledError:
-            await task.handle.release_session(self._engines, even_if_placed=True)
-            self.mailbox.post(CONTROLLER, TaskCancelled(tid, task.generated))
+            if self.engine.died:
+                self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died",
+                                                         generated_tokens=task.generated))
+            else:
+                await task.handle.release_session(self._engines, even_if_placed=True)
+                self.mailbox.post(CONTROLLER, TaskCancelled(tid, task.generated))
         except Exception as exc:  # report, never lose the task silently
             logger.warning("task %s failed on rank %d: %s", tid, self.rank, exc)
             self.mailbox.post(CONTROLLER, TaskFailed(
@@ -190,7 +251,10 @@ class RolloutWorker:
         loop = asyncio.get_running_loop()
         flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
         t0 = time.perf_counter()
+        self._last_weights = (manifest, flat)  # what a replacement engine starts from
         await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+        if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(manifest.version) and not self.engine_restarts:
+            _kill_scheduler()
         busy, idle = self._busy_idle()
         self.mailbox.post(CONTROLLER, WeightsLoaded(manifest.version, broadcast_s=comm_s,
                                                     load_s=time.perf_counter() - t0, busy_s=busy, idle_s=idle))
@@ -212,11 +276,7 @@ class _Listener:
         if task.tag is None:
             return None
         self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "started", context_tokens))
-        fields = task.tag
-        return TaskTag(kind=kind, task_id=task_id, group_id=task.assignment.group_id,
-                       is_eval=task.assignment.is_eval, priority=float(fields["priority"]),
-                       footprint_tokens=max(int(fields["footprint_tokens"]), context_tokens),
-                       turn_reserve_tokens=int(fields["turn_reserve_tokens"]))
+        return TagFields.from_json(task.tag).task_tag(kind, task.assignment, context_tokens)
 
     def turn_finished(self, task_id: str, context_tokens: int, report: Optional[dict[str, Any]]) -> None:
         task = self.task
@@ -226,6 +286,23 @@ class _Listener:
         task.state, task.since = "env step", time.monotonic()
         if task.tag is not None:
             self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
+        if task.cancel_reason is not None:  # cancelled while this turn generated: stop here
+            raise asyncio.CancelledError(task.cancel_reason)
+
+
+def _kill_scheduler() -> None:
+    import multiprocessing
+    import signal
+
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "scheduler" in title:  # SGLang names the process `sglang::scheduler`
+            logger.warning("fault injection: killing SGLang scheduler pid %d", child.pid)
+            os.kill(child.pid, signal.SIGKILL)
 
 
 def build_chat(model_path: str, system_prompt: str | None) -> ChatFormat:

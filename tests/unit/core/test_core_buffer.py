@@ -2,7 +2,7 @@ import math
 import statistics
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -351,7 +351,6 @@ TestBufferMachine.settings = settings(max_examples=60, stateful_step_count=40, d
 
 import random  # noqa: E402
 
-from hypothesis import given  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -419,11 +418,30 @@ def test_a_step_keeps_room_for_groups_on_their_last_chance():
         b.open_group(gid, "t", 0.0, admitted_version=4)
         b.add_trajectory(traj(gid, 0, version=4), 1.0)
         b.add_trajectory(traj(gid, 1, version=4), 1.0)
-    assert b.last_chance_reserve(4) == 2 and b.fetchable_trajectories(4) == 2
-    assert b.fetch_batch(4, 2.0) is None  # only one younger group fits beside the old one: wait
+    assert b.last_chance_reserve(4) == 2 and b.fetchable_trajectories(4, 4) == 2
+    assert not b.batch_available(4) and b.fetch_batch(4, 2.0) is None  # one younger group fits beside the old one: wait
     taken = b.fetch(4, 2.0, max_trajectories=4)
     assert [g.group_id for g in taken] == ["y1"]      # the other slot stays reserved
     b.add_trajectory(traj("old", 0, version=3), 3.0)
     b.add_trajectory(traj("old", 1, version=3), 3.0)
     assert [g.group_id for g in b.fetch(4, 4.0, max_trajectories=2)] == ["old"]
     assert b.records["old"].fate is GroupFate.CONSUMED and b.ledger.wasted == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=10), st.integers(2, 4))
+def test_batch_available_says_exactly_when_fetch_batch_returns_a_batch(groups, consumer):
+    """(admission version, finished?) per group: the readiness test the controller waits on
+    and the fetch it then makes agree, whatever mix of stale, last-chance and young groups."""
+    b = buffer(max_staleness=1, group_size=2, b_min=4, b_ideal=6)
+    for i, (version, finished) in enumerate(groups):
+        gid = f"g{i}"
+        b.open_group(gid, "t", 0.0, admitted_version=version)
+        b.add_trajectory(traj(gid, 0, version=version), 0.0)
+        if finished:
+            b.add_trajectory(traj(gid, 1, version=version), 0.0)
+    available = b.batch_available(consumer)
+    batch = b.fetch_batch(consumer, 1.0)
+    assert available == (batch is not None)
+    if batch is not None:
+        assert 4 <= batch.num_trajectories <= 6 and batch.max_staleness <= 1
