@@ -81,6 +81,38 @@ class RandomModelConfig:
     """Share input and output embeddings."""
 
 
+MODEL_ARCHITECTURES = ("qwen2", "qwen3_vl")
+
+
+@dataclass
+class RandomVisionConfig:
+    """Vision side of a random Qwen3-VL checkpoint (`model.architecture=qwen3_vl`)."""
+
+    depth: int = 2
+    """Vision transformer blocks."""
+    hidden_size: int = 32
+    """Width of the vision transformer."""
+    intermediate_size: int = 64
+    """Inner width of its MLP."""
+    num_heads: int = 2
+    """Vision attention heads."""
+    patch_size: int = 16
+    """Pixels per patch side."""
+    spatial_merge_size: int = 2
+    """Each merge x merge block of patches becomes one image token."""
+    num_position_embeddings: int = 64
+    """Rows of the learned (square) position table."""
+    deepstack_visual_indexes: list[int] = field(default_factory=lambda: [0])
+    """Vision blocks whose output is added to the first language-model layers (DeepStack)."""
+    mrope_section: list[int] = field(default_factory=lambda: [4, 2, 2])
+    """Rotary frequencies of the language model given to the t, h, w axes; sums to
+    `random_init.hidden_size / random_init.num_attention_heads / 2`."""
+    min_pixels: int = 32 * 32
+    """The image processor resizes every image to at least this many pixels..."""
+    max_pixels: int = 128 * 128
+    """... and at most this many (a 224x160 screenshot becomes 128x96: 12 image tokens)."""
+
+
 @dataclass
 class ModelSourceConfig:
     """Where the policy's weights and tokenizer come from."""
@@ -90,8 +122,13 @@ class ModelSourceConfig:
     Empty: write a random checkpoint of `random_init` with `tokenizer` at start-up."""
     tokenizer: str = "tiny_bpe"
     """Tokenizer of a random checkpoint: `tiny_bpe` (committed, small vocab) or `qwen2_5`."""
+    architecture: str = "qwen2"
+    """Family of a random checkpoint: `qwen2` (text) or `qwen3_vl` (vision-language: the
+    tokenizer gains the vision special tokens, the checkpoint an image processor)."""
     random_init: RandomModelConfig = field(default_factory=RandomModelConfig)
-    """Architecture of the random checkpoint."""
+    """Architecture of the random checkpoint (its language model, for `qwen3_vl`)."""
+    random_vision: RandomVisionConfig = field(default_factory=RandomVisionConfig)
+    """Vision side of a random `qwen3_vl` checkpoint."""
 
 
 @dataclass
@@ -228,6 +265,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
                          "(auto: continue from the newest checkpoint if there is one, else start fresh)")
     if cfg.scheduler.mode not in SCHEDULER_MODES:
         raise ValueError(f"scheduler.mode={cfg.scheduler.mode!r}: expected one of {SCHEDULER_MODES}")
+    if cfg.model.architecture not in MODEL_ARCHITECTURES:
+        raise ValueError(f"model.architecture={cfg.model.architecture!r}: expected one of {MODEL_ARCHITECTURES}")
     trainers = world_size - cfg.cluster.rollout_ranks - cfg.cluster.ref_ranks
     if cfg.cluster.rollout_ranks < 1 or trainers < 1 or cfg.cluster.ref_ranks < 0:
         raise ValueError(

@@ -121,10 +121,20 @@ class Job:
         from transformers import AutoTokenizer
 
         vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+        if cfg.model.architecture == "qwen3_vl":
+            return self._write_random_vl_checkpoint(path, tok_dir, vocab)
         vocab = -(-vocab // (cfg.trainer.tp_size * 64)) * cfg.trainer.tp_size * 64  # shardable
         arch = cfg.model.random_init
         model_cfg = ModelConfig(vocab_size=vocab, **dataclasses.asdict(arch))
         return write_random_hf_checkpoint(path, model_cfg, seed=cfg.run.seed, tokenizer_dir=tok_dir)
+
+    def _write_random_vl_checkpoint(self, path: str, tok_dir: str, base_vocab: int) -> str:
+        """A random Qwen3-VL: `random_init` is its language model, `random_vision` the rest."""
+        from tide_megatron.models.qwen3_vl_checkpoint import write_random_vl_checkpoint_from
+
+        cfg = self.cfg
+        return write_random_vl_checkpoint_from(path, cfg.model.random_init, cfg.model.random_vision, tok_dir,
+                                               base_vocab, cfg.trainer.tp_size, cfg.run.seed)
 
     def _start_env_server(self) -> str:
         envs = self.cfg.envs

@@ -1,10 +1,13 @@
 """The one CPU compatibility layer of tide-megatron.
 
-Two parts, both inert on a machine with CUDA:
+Three parts, all inert on a machine with CUDA:
 - `standins`: import-time stand-ins for GPU-only packages SGLang imports (triton,
   torchvision, vllm). Loaded by a `.pth` file in site-packages (written by
   `python -m tide_megatron.compat.install`) so that SGLang's own scheduler and
   detokenizer subprocesses get them too; a conftest or an import in our code would not.
+- `qwen3vl_processor`: an image-only Qwen3-VL processor that SGLang uses instead of
+  `AutoProcessor` (whose video sub-processor needs torchvision), registered by an import
+  hook that the same `.pth` file installs, only when torchvision is missing.
 - `megatron_cpu`: runtime stand-ins for Megatron-core's CUDA assumptions, installed by
   the trainer when `torch.cuda.is_available()` is false.
 
@@ -47,4 +50,8 @@ def activate_standins() -> tuple[str, ...]:
     served = StandinFinder.for_missing()
     if served and StandinFinder not in sys.meta_path:
         sys.meta_path.insert(0, StandinFinder)
+    if "torchvision" in served:
+        from tide_megatron.compat.qwen3vl_processor import install_import_hook
+
+        install_import_hook()
     return served

@@ -20,7 +20,8 @@ from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import LoadWeights, Stop
 from tide_megatron.controller.trainer_rank import micro_batch_of
-from tide_megatron.models.config import ModelConfig
+from tide_megatron.models.policy import model_config_from_checkpoint
+from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
 from tide_megatron.trainer.actor import ReferenceModel
 from tide_megatron.trainer.ra2p import ArrivingSource, CostMeter, DecoupledConfig, LogprobStream, RefStreamServer
 
@@ -33,7 +34,9 @@ class RefRank:
         self.job_group = job_group
         self.pad = pad_to_multiple_of
         self.meter = CostMeter()
-        self.ref = ReferenceModel(ModelConfig.from_hf_checkpoint(model_path), model_path)
+        model_cfg = model_config_from_checkpoint(model_path)
+        self.ref = ReferenceModel(model_cfg, model_path)
+        self.images = TrajectoryImages.for_model(model_cfg, model_path)
         self.server = RefStreamServer(self.ref, LogprobStream(job_group),
                                       DecoupledConfig(ref_rank=rank, actor_ranks=(actor_rank,)), self.meter)
         self.actor_rank = actor_rank
@@ -50,7 +53,7 @@ class RefRank:
                     self._source = ArrivingSource(int(msg["num_micro_batches"]))
                     self._commands.put({"kind": "ref_step", "source": self._source})
                 elif msg["kind"] == "ref_mb":
-                    self._source.put(micro_batch_of(msg["trajectories"], self.pad))
+                    self._source.put(micro_batch_of(msg["trajectories"], self.pad, self.images))
                 else:
                     self._commands.put(msg)
             time.sleep(POLL_INTERVAL_S)

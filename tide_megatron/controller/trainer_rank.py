@@ -17,7 +17,8 @@ import torch
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import LoadWeights, Stop
-from tide_megatron.models.config import ModelConfig
+from tide_megatron.models.policy import model_config_from_checkpoint
+from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
 from tide_megatron.trainer import checkpoint as ckpt
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult
 from tide_megatron.trainer.batch import MicroBatch, collate, pack_micro_batches
@@ -27,20 +28,27 @@ from tide_megatron.trainer.config import TrainerConfig
 POLL_INTERVAL_S = 0.01
 
 
-def to_train_trajectory(data: dict[str, Any]) -> TrainTrajectory:
-    """A rollout trajectory (JSON) as the trainer's tensors."""
+def to_train_trajectory(data: dict[str, Any], images: TrajectoryImages | None = None) -> TrainTrajectory:
+    """A rollout trajectory (JSON) as the trainer's tensors; `images` turns its images (if any)
+    into the vision inputs of a vision-language policy."""
+    token_ids = torch.tensor(data["token_ids"], dtype=torch.long)  # [T]
+    loss_mask = torch.tensor(data["loss_mask"], dtype=torch.float32)  # [T]
+    if images is None and data.get("images"):
+        raise ValueError(f"trajectory {data.get('group_id')}/{data.get('index')} has images, "
+                         "but the policy is a text-only model")
     return TrainTrajectory(
-        token_ids=torch.tensor(data["token_ids"], dtype=torch.long),  # [T]
-        loss_mask=torch.tensor(data["loss_mask"], dtype=torch.float32),  # [T]
+        token_ids=token_ids, loss_mask=loss_mask,
         old_logprobs=torch.tensor(data["logprobs"], dtype=torch.float32),  # [T]
         advantage=float(data["advantage"]),
+        **(images.fields(data, token_ids, loss_mask) if images is not None else {}),
     )
 
 
-def micro_batch_of(trajectories: list[dict[str, Any]], pad_to_multiple_of: int = 1) -> MicroBatch:
+def micro_batch_of(trajectories: list[dict[str, Any]], pad_to_multiple_of: int = 1,
+                   images: TrajectoryImages | None = None) -> MicroBatch:
     """One micro-batch of rollout trajectories; the actor and a reference rank build the same
     tensors from the same message, so their shapes match for the log-prob stream."""
-    return collate([to_train_trajectory(t) for t in trajectories], pad_to_multiple_of)
+    return collate([to_train_trajectory(t, images) for t in trajectories], pad_to_multiple_of)
 
 
 class TrainerRank:
@@ -49,14 +57,15 @@ class TrainerRank:
         self.job_group = job_group
         self.rank = rank
         self.checkpoint_root = checkpoint_root
-        model_cfg = ModelConfig.from_hf_checkpoint(model_path)
+        model_cfg = model_config_from_checkpoint(model_path)
         model_cfg.check_tensor_parallel(trainer_cfg.tp_size)
+        self.images = TrajectoryImages.for_model(model_cfg, model_path)
         self.actor = MegatronActor(model_cfg, trainer_cfg, model_path)
         self.ref = ReferenceModel(model_cfg, model_path, bf16=trainer_cfg.bf16) if trainer_cfg.kl_coef else None
 
     def train(self, trajectories: list[dict[str, Any]]) -> tuple[StepResult, dict[str, float]]:
         """One optimizer step on this rank's shard; returns the step report and phase times."""
-        trajs = [to_train_trajectory(t) for t in trajectories]
+        trajs = [to_train_trajectory(t, self.images) for t in trajectories]
         # Similar lengths in one micro-batch waste less padding.
         trajs.sort(key=len, reverse=True)
         micro_batches = pack_micro_batches(trajs, self.cfg.micro_batch_tokens, self.cfg.pad_to_multiple_of)

@@ -64,7 +64,10 @@ class StepOutcome:
 
 
 def _trajectory_json(t: Trajectory) -> dict[str, Any]:
-    return {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs, "advantage": t.advantage}
+    data = {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs, "advantage": t.advantage}
+    if t.images:  # a vision-language policy's observations: the trainer re-reads the images
+        data.update(group_id=t.group_id, index=t.index, images=t.images, image_grid_thw=t.image_grid_thw)
+    return data
 
 
 def _executor_config(name: str, aggregation_limit: int) -> ColocatedConfig:
@@ -165,7 +168,7 @@ class TrainerDriver:
         def on_group(group: CompletedGroup) -> None:  # the rollout thread, as each group completes
             payload = [_trajectory_json(t) for t in group.trajectories]
             consumed.append(group)
-            source.put(micro_batch_of(payload, self.pad))
+            source.put(micro_batch_of(payload, self.pad, self.trainer.images))
             if decoupled:
                 self.mailbox.post(self.ref_rank, "ref_mb", trajectories=payload)
 
@@ -181,7 +184,7 @@ class TrainerDriver:
         lengths = {tid: len(p["token_ids"]) for tid, p in payload.items()}
         plan = plan_microbatches(lengths, 1, mode, self.cfg.ra2p.cost_model)
         planned = [[payload[k] for k in mb.shards[0]] for mb in plan.micro_batches if mb.shards[0]]
-        return [micro_batch_of(p, self.pad) for p in planned], planned
+        return [micro_batch_of(p, self.pad, self.trainer.images) for p in planned], planned
 
     def _run(self, mode: RA2PMode, source):
         if mode is RA2PMode.DECOUPLED:

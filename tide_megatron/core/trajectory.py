@@ -82,6 +82,10 @@ class Trajectory:
     """Of `engine_prompt_tokens`, those reused from the prefix cache."""
     image_tokens: int = 0
     """Of the context, tokens that stand for images (multi-modal tasks)."""
+    images: list[str] = field(default_factory=list)
+    """Encoded images of the observations (base64 PNG/JPEG), in the order of their tokens."""
+    image_grid_thw: list[list[int]] = field(default_factory=list)
+    """(t, h, w) patch grid of each image, as the rollout counted its tokens."""
     env_wait_s: float = 0.0
     generate_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)

@@ -19,17 +19,20 @@ from tide_megatron.models.config import ModelConfig
 _TOKENIZER_SKIP = {"config.json", "generation_config.json"}
 
 
-def _randomise_(model: torch.nn.Module, seed: int, std: float) -> None:
+def randomise_(model: torch.nn.Module, seed: int, std: float) -> None:
     """Overwrite every parameter with seeded noise, norms around 1.
 
     HF's own init leaves norms at exactly 1 and biases at 0, which would let a converter that
     drops or swaps them pass the round-trip tests; noise everywhere makes every tensor matter.
+    A norm's scale is a weight of a module whose name contains "norm" (`input_layernorm`,
+    `q_norm`, a vision block's `norm1`, ...).
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            module, _, kind = name.rpartition(".")
+            if kind == "weight" and "norm" in module.rpartition(".")[2]:
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(std * noise)
@@ -60,7 +63,7 @@ def write_random_hf_checkpoint(
     hf_config.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(hf_config).to(torch.float32)
-    _randomise_(model, seed, init_std)
+    randomise_(model, seed, init_std)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(path, safe_serialization=True)

@@ -68,7 +68,6 @@ def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = Fals
     from megatron.core.transformer import TransformerConfig
 
     cfg.check_tensor_parallel(tp)
-    dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -82,6 +81,15 @@ def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = Fals
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
+        **unfused_config_kwargs(tp, bf16),
+    )
+
+
+def unfused_config_kwargs(tp: int, bf16: bool) -> dict:
+    """The `TransformerConfig` fields every model of the trainer shares: no dropout, no fusion,
+    CPU initialisation, TP without sequence parallelism, fp32 (or bf16) params."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return dict(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,

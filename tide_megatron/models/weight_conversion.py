@@ -91,6 +91,9 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, tp_ran
                 sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"],
                 cfg, tp_rank, tp_size)
         out[mg + "self_attention.linear_proj.weight"] = _shard(sd[attn + "o_proj.weight"], 1, tp_rank, tp_size)
+        if attn + "q_norm.weight" in sd:  # Qwen3: per-head RMSNorm of q and k (replicated)
+            out[mg + "self_attention.q_layernorm.weight"] = sd[attn + "q_norm.weight"].clone()
+            out[mg + "self_attention.k_layernorm.weight"] = sd[attn + "k_norm.weight"].clone()
         out[mg + "pre_mlp_layernorm.weight"] = sd[hf + "post_attention_layernorm.weight"].clone()
         gate = _shard(sd[hf + "mlp.gate_proj.weight"], 0, tp_rank, tp_size)
         up = _shard(sd[hf + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
@@ -125,6 +128,8 @@ def _megatron_shards_to_hf(name: str, shards: list[torch.Tensor], cfg: ModelConf
                 for j, p in enumerate("qkv")]
     if rest == "self_attention.linear_proj.weight":
         return [(hf + "self_attn.o_proj.weight", torch.cat(shards, 1))]
+    if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        return [(f"{hf}self_attn.{rest.split('.')[1][0]}_norm.weight", shards[0])]
     if rest == "mlp.linear_fc1.weight":
         halves = [torch.chunk(s, 2, 0) for s in shards]  # per rank: [gate_r; up_r]
         return [(hf + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves], 0)),
@@ -156,6 +161,17 @@ def megatron_to_hf(model: torch.nn.Module, cfg: ModelConfig,
     `update_weights_from_distributed` take. With tied embeddings `lm_head.weight` is not yielded
     (HF and SGLang tie it to `model.embed_tokens.weight`).
     """
+    for name, shards in gather_tp_shards(model, tp_group):
+        yield from _megatron_shards_to_hf(name, shards, cfg)
+
+
+def gather_tp_shards(model: torch.nn.Module, tp_group: "torch.distributed.ProcessGroup | None" = None
+                     ) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """(Megatron name, every TP rank's shard in rank order) of each parameter, in module order.
+
+    Collective over `tp_group` (default: Megatron's TP group). A parameter that is not
+    TP-sharded is the same on every rank: its local tensor stands for every shard.
+    """
     model = unwrap_model(model)
     if tp_group is None:
         from megatron.core import parallel_state
@@ -170,14 +186,12 @@ def megatron_to_hf(model: torch.nn.Module, cfg: ModelConfig,
         else:
             shards = [torch.empty_like(local) for _ in range(tp_size)]
             torch.distributed.all_gather(shards, local, group=tp_group)
-        yield from _megatron_shards_to_hf(name, shards, cfg)
+        yield name, shards
 
 
 def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | dict, cfg: ModelConfig
                           ) -> None:
     """Copy an HF checkpoint (directory or state dict) into this rank's shard of `model`."""
-    from megatron.core import parallel_state
-
     from tide_megatron.models.hf_checkpoint import load_hf_state_dict
 
     state = source if isinstance(source, dict) else load_hf_state_dict(source)
@@ -185,9 +199,17 @@ def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | di
         raise KeyError("checkpoint has no model.embed_tokens.weight")
     if not cfg.tie_word_embeddings and "lm_head.weight" not in state:
         raise KeyError("untied config but checkpoint has no lm_head.weight")
+    copy_shard_into(model, lambda tp_rank, tp_size: hf_to_megatron(state, cfg, tp_rank, tp_size))
+
+
+def copy_shard_into(model: torch.nn.Module, make_shard) -> None:
+    """Copy `make_shard(tp_rank, tp_size)` (Megatron name -> this rank's tensor) into `model`,
+    after checking that it names every parameter, and nothing else, with the right shapes."""
+    from megatron.core import parallel_state
+
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    shard = hf_to_megatron(state, cfg, tp_rank, tp_size)
+    shard = make_shard(tp_rank, tp_size)
     module = unwrap_model(model)
     params = dict(module.named_parameters())
     missing = set(params) - set(shard)

@@ -18,6 +18,9 @@ turn's generated tokens form a `Segment` tagged with the weight version that pro
 
 With `use_sessions=False` (the vanilla, request-level baseline) it sends the whole context
 every turn, untagged, and is never paused.
+
+Observations with images (a vision-language policy, see `multimodal.py`): each turn carries its
+images to SGLang with its new ids; a fresh session gets the whole context with every image.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from tide_megatron.envs.client import EnvClient
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.engine import Generation, RolloutEngine
 from tide_megatron.core.trajectory import Segment
+from tide_megatron.models.qwen3_vl_inputs import encode_image_for_record
+from tide_megatron.rollout.multimodal import ImageInputError, observation_images
 from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
 
 
@@ -99,10 +104,28 @@ class CTBTaskRunner:
         self.chat = chat
         self.env = env
         self.use_sessions = use_sessions
+        self.images = getattr(chat, "images", None)
+        """The policy's image handling (`multimodal.ImagePrompts`); None for a text-only policy."""
 
     def _sampling(self, remaining: int) -> dict[str, Any]:
-        return {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
-                "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
+        params = {"max_new_tokens": max(1, min(self.cfg.max_new_tokens, remaining)),
+                  "temperature": self.cfg.temperature, "top_p": self.cfg.top_p}
+        if self.images is not None:
+            params["logit_bias"] = self.images.logit_bias
+        return params
+
+    def _observation(self, result: Any, what: str, render) -> tuple[list[int], list[int], list]:
+        """(ids SGLang is sent, ids of the context, images) of one observation; `render()` gives
+        the ids of its turn, `render(n)` with n images (one pad each)."""
+        data = observation_images(result)
+        if not data:
+            ids = render()
+            return ids, ids, []
+        if self.images is None:
+            raise ImageInputError(f"{what}: the env returned {len(data)} image(s), but the policy is text-only")
+        images = self.images.prepare(data, what)
+        send = render(len(images))
+        return send, self.images.expand(send, images, what), images
 
     async def run(self, assignment: TaskAssignment, handle: TaskHandle, listener: TurnListener) -> Trajectory:
         started = time.time()
@@ -110,13 +133,18 @@ class CTBTaskRunner:
         await handle.runnable.wait()  # admitted before it takes an environment
         async with self.env.session(assignment.task["env"], assignment.task["task_id"],
                                     assignment.trajectory_id) as first:
-            ep = _Episode(tokens=self.chat.prompt_ids(first.observation), env_wait_s=time.monotonic() - t0,
+            what = f"task {assignment.trajectory_id} turn 0"
+            send, ids, images = self._observation(first, what, lambda *n: self.chat.prompt_ids(first.observation, *n))
+            if images and len(ids) > self.cfg.max_context_tokens:
+                raise ImageInputError(f"{what}: the first observation takes {len(ids)} tokens, over "
+                                      f"max_context_tokens={self.cfg.max_context_tokens}")
+            ep = _Episode(tokens=[], env_wait_s=time.monotonic() - t0,
                           version=self.engines[handle.rank].weight_version if handle.rank in self.engines
-                          else min(e.weight_version for e in self.engines.values()))
-            ep.loss_mask = [0] * len(ep.tokens)
-            ep.logprobs = [0.0] * len(ep.tokens)
+                          else min(e.weight_version for e in self.engines.values()),
+                          send_tokens=[] if self.images is not None else None)
+            ep.append(ids, 0, send_ids=send, images=images)
             try:
-                await self._turns(first.session_id, ep, handle, listener)
+                await self._turns(first.session_id, ep, handle, listener, (send, images), assignment.trajectory_id)
             finally:
                 async with handle.lock:
                     if handle.session_id is not None:
@@ -138,10 +166,13 @@ class CTBTaskRunner:
             env_wait_s=ep.env_wait_s, generate_s=ep.generate_s,
             info={**{k: v for k, v in ep.info.items() if isinstance(v, (int, float, str, bool))},
                   "ctb_pauses": handle.pauses, "ctb_moves": handle.moves},
+            images=[encode_image_for_record(im.data) for im in ep.images],
+            image_grid_thw=[list(im.grid) for im in ep.images], image_tokens=sum(im.num_tokens for im in ep.images),
         )
 
-    async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener) -> None:
-        pending = list(ep.tokens)  # tokens the engine's session has not seen yet
+    async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener,
+                     pending: tuple[list[int], list], task_id: str) -> None:
+        # `pending`: the ids (one-pad form) and images the engine's session has not seen yet.
         previous_rid: Optional[str] = None
         done = False
         while not done:
@@ -161,11 +192,17 @@ class CTBTaskRunner:
             ep.info = result.info
             done = result.done
             if not done:
-                pending = self.chat.user_turn_ids(result.observation, gen.output_ids)
-                ep.append(pending, 0)
+                send, ids, images = self._observation(
+                    result, f"task {task_id} turn {ep.turns}",
+                    lambda *n: self.chat.user_turn_ids(result.observation, gen.output_ids, *n))
+                if images and len(ep.tokens) + len(ids) > self.cfg.max_context_tokens:
+                    ep.truncated = True  # the context ends before the turn: an image is never cut
+                    return
+                ep.append(ids, 0, send_ids=send, images=images)
+                pending = (send, images)
 
-    async def _generate_turn(self, ep: _Episode, pending: list[int], previous_rid: Optional[str], remaining: int,
-                             handle: TaskHandle, listener: TurnListener) -> tuple[Generation, int]:
+    async def _generate_turn(self, ep: _Episode, pending: tuple[list[int], list], previous_rid: Optional[str],
+                             remaining: int, handle: TaskHandle, listener: TurnListener) -> tuple[Generation, int]:
         """One turn on the rank the task is placed on; returns the generation and the weight
         version that produced it."""
         while True:
@@ -195,13 +232,20 @@ class CTBTaskRunner:
                             session_params["rid"] = previous_rid
                     # A fresh session (first turn, resume, new weights) needs the whole context;
                     # a live one only the delta.
-                    send = pending if session_params is not None and previous_rid is not None else ep.tokens
+                    if session_params is not None and previous_rid is not None:
+                        send, images = pending
+                    else:
+                        send, images = (ep.tokens if ep.send_tokens is None else ep.send_tokens), ep.images
                     tag = listener.turn_started(handle.task_id, len(ep.tokens), kind)
                     handle.started, handle.last_rank = True, rank
                     version = engine.weight_version
                     t0 = time.monotonic()
-                    gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params)
+                    gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params,
+                                                        [im.data for im in images])
                     ep.generate_s += time.monotonic() - t0
+            if ep.send_tokens is not None and gen.prompt_tokens != len(ep.tokens):
+                raise RuntimeError(f"task {handle.task_id}: SGLang's context has {gen.prompt_tokens} tokens, the "
+                                   f"trajectory {len(ep.tokens)}: image pads expanded differently")
             # SGLang's own per-request weight version, if it names one, cross-checks ours: a turn
             # that (against the turn gate) straddled an update is booked under the older one.
             if gen.weight_version is not None and str(gen.weight_version).isdigit():
@@ -215,10 +259,11 @@ class CTBTaskRunner:
 
 
 async def generate_tagged(engine: RolloutEngine, input_ids: list[int], sampling_params: dict[str, Any],
-                          tag: Optional[TaskTag], session_params: Optional[dict[str, Any]]
-                          ) -> tuple[Generation, Optional[dict[str, Any]]]:
+                          tag: Optional[TaskTag], session_params: Optional[dict[str, Any]],
+                          image_data: Optional[list[bytes]] = None) -> tuple[Generation, Optional[dict[str, Any]]]:
     """`RolloutEngine.generate` with a CTB-tagged rid; also returns the plugin's report."""
     session_params = session_params or {}
+    images = {"image_data": image_data} if image_data else {}  # text turns call the engine as before
     gen = await engine.generate(input_ids, sampling_params, session_params.get("id"), session_params.get("rid"),
-                                rid=tag.to_rid() if tag is not None else None)
+                                rid=tag.to_rid() if tag is not None else None, **images)
     return gen, gen.ctb_report

@@ -11,6 +11,14 @@ A weight update is a boundary for the tasks running on the engine: turns that ar
 generating finish first (`turn()`), no new turn starts, every open session is closed (its KV
 was computed by the old weights), the weights load and the cache is flushed, then turns go
 on; a task's next turn opens a fresh session and is prefilled under the new weights.
+
+Images (vision-language checkpoints): `generate` passes the turn's encoded images to SGLang
+(`image_data`, see `multimodal.py`), and the engine starts with two SGLang settings:
+`SGLANG_VLM_CACHE_SIZE_MB=0`, because SGLang 0.5.23 keeps vision-encoder outputs in a cache keyed
+by the image alone that neither `flush_cache` nor a weight update clears (a screenshot seen before
+an update would keep the old vision weights' embedding; measured log-prob errors of 0.3-0.6), and
+`SGLANG_MM_AVOID_RETOKENIZE=1`, so that prompts are never decoded and re-tokenized. A value
+already in the environment is kept.
 """
 
 from __future__ import annotations
@@ -136,6 +144,19 @@ def _wants_file_rendezvous(engine_kwargs: dict[str, Any]) -> bool:
                 or os.environ.get(DIST_INIT_OVERRIDE_ENV))
 
 
+VISION_LANGUAGE_SGLANG_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0", "SGLANG_MM_AVOID_RETOKENIZE": "1"}
+
+
+def _is_vision_language(model_path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return json.load(f).get("model_type") == "qwen3_vl"
+    except (OSError, ValueError):
+        return False
+
+
 def _signal_handler_class(engine: "RolloutEngine"):
     from sglang.srt.managers.tokenizer_manager import SignalHandler
 
@@ -154,6 +175,9 @@ class RolloutEngine:
 
         self.cfg = cfg
         self.model_path = model_path
+        if _is_vision_language(model_path):
+            for key, value in VISION_LANGUAGE_SGLANG_ENV.items():
+                os.environ.setdefault(key, value)
         self.died = False
         """A subprocess of the engine (its scheduler) died; the engine must be replaced."""
         kwargs = cfg.engine_kwargs(model_path)
@@ -221,10 +245,12 @@ class RolloutEngine:
         session_id: str | None = None,
         previous_rid: str | None = None,
         rid: str | None = None,
+        image_data: list[bytes] | None = None,
     ) -> Generation:
         """Generate after `input_ids`. With a session, `input_ids` are only the tokens
         appended since the session's previous turn (`previous_rid`). `rid` names the
-        request (CTB's task tag rides in it, see `sglang_patches.task_tag`)."""
+        request (CTB's task tag rides in it, see `sglang_patches.task_tag`). `image_data`:
+        the encoded images of the image placeholders in `input_ids`, in order."""
         if self.died:
             raise RuntimeError("the rollout engine died")
         session_params = None
@@ -238,6 +264,7 @@ class RolloutEngine:
             return_logprob=True,
             session_params=session_params,
             rid=rid,
+            image_data=image_data,
         )
         meta = out["meta_info"]
         finish = meta.get("finish_reason") or {}

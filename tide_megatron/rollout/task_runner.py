@@ -95,8 +95,16 @@ class _Episode:
     generate_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     segments: list[Segment] = field(default_factory=list)
+    send_tokens: list[int] | None = None
+    """With images: `tokens` as SGLang is sent them (one pad per image); None: `tokens` itself."""
+    images: list[Any] = field(default_factory=list)
+    """`multimodal.TurnImage`s of the observations so far, in order."""
 
-    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None,
+               send_ids: list[int] | None = None, images: list[Any] = ()) -> None:
         self.tokens += ids
         self.loss_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        if self.send_tokens is not None:
+            self.send_tokens += send_ids if send_ids is not None else ids
+        self.images += images

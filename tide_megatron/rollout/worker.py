@@ -314,4 +314,7 @@ def _kill_scheduler() -> None:
 def build_chat(model_path: str, system_prompt: str | None) -> ChatFormat:
     from transformers import AutoTokenizer
 
-    return ChatFormat(AutoTokenizer.from_pretrained(model_path), system_prompt)
+    from tide_megatron.rollout.multimodal import ImagePrompts
+
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path), system_prompt,
+                      images=ImagePrompts.for_checkpoint(model_path))

@@ -19,9 +19,8 @@ from typing import Iterator
 
 import torch
 
-from tide_megatron.models.config import ModelConfig
-from tide_megatron.models.megatron_gpt import build_gpt_model
-from tide_megatron.models.weight_conversion import load_hf_into_megatron, megatron_to_hf, unwrap_model
+from tide_megatron.models.policy import PolicyConfig, banned_token_ids, build_model, hf_weights, load_hf_weights
+from tide_megatron.models.weight_conversion import unwrap_model
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.config import TrainerConfig
 from tide_megatron.trainer.grpo_loss import grpo_loss
@@ -38,10 +37,11 @@ def _device() -> torch.device:
 class ReferenceModel:
     """A frozen GPTModel: forward-only per-token log-probs for the KL penalty."""
 
-    def __init__(self, model_cfg: ModelConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False):
+    def __init__(self, model_cfg: PolicyConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False):
         self.model_cfg = model_cfg
-        self.model = build_gpt_model(model_cfg, bf16=bf16)
-        load_hf_into_megatron(self.model, hf_checkpoint_dir, model_cfg)
+        self.banned_token_ids = banned_token_ids(model_cfg)
+        self.model = build_model(model_cfg, bf16=bf16)
+        load_hf_weights(self.model, hf_checkpoint_dir, model_cfg)
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -50,7 +50,7 @@ class ReferenceModel:
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Reference log-probs of a micro-batch. # [B, T]"""
         mb = micro_batch.to(_device())
-        return forward_logprobs(self.model, mb.token_ids, mb.position_ids)
+        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
 
     def attach_logprobs(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Fill `ref_logprobs` of each micro-batch in place (colocated mode); returns them."""
@@ -77,18 +77,19 @@ class StepResult:
 class MegatronActor:
     """The trained policy: Megatron GPTModel + DDP + Megatron optimizer."""
 
-    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig,
+    def __init__(self, model_cfg: PolicyConfig, trainer_cfg: TrainerConfig,
                  hf_checkpoint_dir: str | os.PathLike):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.model_cfg = model_cfg
+        self.banned_token_ids = banned_token_ids(model_cfg)
         self.cfg = trainer_cfg
         self.step = 0
-        model = build_gpt_model(model_cfg, bf16=trainer_cfg.bf16)
+        model = build_model(model_cfg, bf16=trainer_cfg.bf16)
         # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
-        load_hf_into_megatron(model, hf_checkpoint_dir, model_cfg)
+        load_hf_weights(model, hf_checkpoint_dir, model_cfg)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -110,14 +111,14 @@ class MegatronActor:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The bare GPTModel (for conversion and checkpointing)."""
+        """The bare Megatron model (for conversion and checkpointing)."""
         return unwrap_model(self.model)
 
     @torch.no_grad()
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Current-policy log-probs of a micro-batch, no gradient. # [B, T]"""
         mb = micro_batch.to(_device())
-        return forward_logprobs(self.model, mb.token_ids, mb.position_ids)
+        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
 
     # ---- one optimizer step ------------------------------------------------------------
 
@@ -131,7 +132,8 @@ class MegatronActor:
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb = next(data_iterator).to(_device())
-        logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids)  # [B, T]
+        logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids, self.banned_token_ids,
+                                    **mb.model_inputs())  # [B, T]
         return logprobs, partial(self._loss_func, mb)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> list[dict]:
@@ -221,4 +223,4 @@ class MegatronActor:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, gathered over TP (collective: every TP rank must iterate)."""
-        return megatron_to_hf(self.model, self.model_cfg)
+        return hf_weights(self.model, self.model_cfg)

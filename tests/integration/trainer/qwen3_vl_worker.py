@@ -1,0 +1,116 @@
+"""Multi-process Megatron scenario for the Qwen3-VL trainer tests (run as a script).
+
+    python qwen3_vl_worker.py --world 2 --tp 2 --hf HF_DIR --records RECORDS.json --out OUT_DIR
+
+Spawns `world` ranks (gloo, CPU); every rank builds the Megatron Qwen3-VL actor and reference from
+the HF checkpoint, turns the trajectory records (the rollout's JSON form: token ids with expanded
+image pads, loss mask, base64 images and their grids) into micro-batches, and records log-probs,
+GRPO steps, gradients, the weights converted back to HF, and a checkpoint round trip. Rank 0 writes
+`OUT_DIR/results.pt`; the test process compares it with Hugging Face.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import traceback
+import warnings
+
+import torch
+
+from tide_megatron.utils.net import free_port
+
+
+def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str) -> dict:
+    from tide_megatron.controller.trainer_rank import to_train_trajectory
+    from tide_megatron.models.megatron_gpt import init_parallel
+    from tide_megatron.models.policy import model_config_from_checkpoint
+    from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
+    from tide_megatron.trainer.actor import MegatronActor, ReferenceModel
+    from tide_megatron.trainer.batch import pack_micro_batches
+    from tide_megatron.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
+    from tide_megatron.trainer.config import TrainerConfig
+
+    init_parallel(tp_size=tp, seed=0)
+    cfg = model_config_from_checkpoint(hf_dir)
+    tcfg = TrainerConfig(lr=2e-3, kl_coef=0.05, clip_grad=1.0, micro_batch_tokens=160)
+    images = TrajectoryImages.for_model(cfg, hf_dir)
+    trajectories = [to_train_trajectory(r, images) for r in records]
+    mbs = pack_micro_batches(trajectories, tcfg.micro_batch_tokens)
+    actor = MegatronActor(cfg, tcfg, hf_dir)
+    ref = ReferenceModel(cfg, hf_dir)
+    results: dict = {"rows": [[len(t) for t in trajectories]], "micro_batches": len(mbs),
+                     "images_per_micro_batch": [0 if mb.image_grid_thw is None else len(mb.image_grid_thw) for mb in mbs]}
+    results["initial_logprobs"] = [actor.logprobs(mb) for mb in mbs]
+    results["ref_logprobs"] = [ref.logprobs(mb) for mb in mbs]
+    results["loss_masks"] = [mb.loss_mask for mb in mbs]
+    results["advantages"] = [mb.advantages for mb in mbs]
+    for mb, lp in zip(mbs, results["initial_logprobs"]):
+        mb.old_logprobs = lp * mb.loss_mask
+    ref.attach_logprobs(mbs)
+
+    # Gradients reach the vision tower (through the image features and DeepStack) and the LM.
+    actor.forward_backward(mbs)
+    grads = {n: p.main_grad.detach().norm().item() for n, p in actor.module.named_parameters()}
+    results["grad_norms"] = grads
+
+    steps = [actor.train_step(mbs) for _ in range(3)]
+    results["steps"] = [dataclasses.asdict(s) for s in steps]
+    results["after_logprobs"] = [actor.logprobs(mb) for mb in mbs]
+    hf_after = {name: t.clone() for name, t in actor.hf_weights()}
+    if rank == 0:
+        torch.save(hf_after, os.path.join(out_dir, "hf_after.pt"))
+
+    # Checkpoint round trip: a fresh actor resumed from the checkpoint has the same policy.
+    root = os.path.join(out_dir, "ckpt")
+    save_checkpoint(actor, root)
+    resumed = MegatronActor(cfg, tcfg, hf_dir)
+    results["resumed_step"] = load_latest_checkpoint(resumed, root)
+    results["resume_logprob_diff"] = max((resumed.logprobs(mb) - lp).abs().max().item()
+                                         for mb, lp in zip(mbs, results["after_logprobs"]))
+    trained = dict(actor.module.named_parameters())
+    local = {f"rank{rank}:{n}": (p - trained[n]).abs().max().item()
+             for n, p in resumed.module.named_parameters() if not torch.equal(p, trained[n])}
+    every_rank: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every_rank, local)
+    results["resume_param_diffs"] = {k: v for d in every_rank for k, v in d.items()}
+    return results
+
+
+def _worker(rank: int, world: int, tp: int, port: int, hf_dir: str, records_path: str, out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        with open(records_path) as f:
+            records = json.load(f)
+        results = scenario(rank, tp, hf_dir, records, out_dir)
+        if rank == 0:
+            torch.save(results, os.path.join(out_dir, "results.pt"))
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        from tide_megatron.models.megatron_gpt import destroy_parallel
+
+        destroy_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--hf", required=True)
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.multiprocessing.spawn(_worker, args=(args.world, args.tp, free_port(), args.hf, args.records, args.out),
+                                nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
