@@ -90,6 +90,9 @@ class MegatronActor:
         model = build_model(model_cfg, bf16=trainer_cfg.bf16)
         # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
         load_hf_weights(model, hf_checkpoint_dir, model_cfg)
+        # Token mean over the step across DP ranks: the schedule all-reduces the token count and
+        # divides by it, so DDP must not also scale by 1/DP (it reads this flag when built).
+        model.config.calculate_per_token_loss = True
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -104,7 +107,6 @@ class MegatronActor:
             [self.model])
         # Megatron's schedule reads these hooks from the model config.
         config = model.config
-        config.calculate_per_token_loss = True  # token mean over the step, across DP
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss

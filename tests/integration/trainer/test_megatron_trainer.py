@@ -52,6 +52,12 @@ def tp2(hf_dir, tmp_path_factory) -> dict:
     return _run_worker(hf_dir, str(tmp_path_factory.mktemp("tp2")), world=2, tp=2)
 
 
+@pytest.fixture(scope="module")
+def dp2(hf_dir, tmp_path_factory) -> dict:
+    """Two data-parallel ranks, each given the same micro-batches."""
+    return _run_worker(hf_dir, str(tmp_path_factory.mktemp("dp2")), world=2, tp=1)
+
+
 @pytest.fixture(params=["tp1", "tp2"])
 def run(request) -> dict:
     return request.getfixturevalue(request.param)
@@ -79,6 +85,16 @@ def test_tp2_matches_tp1(tp1, tp2):
     for s1, s2 in zip(tp1["steps"], tp2["steps"]):
         assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-5)
         assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-4)
+
+
+def test_dp2_on_identical_shards_matches_one_rank(tp1, dp2):
+    """The step's gradient is the token mean over every DP rank: two ranks holding the same
+    data take the one-rank step (DDP once also divided by the DP size: half the gradient)."""
+    for s1, s2 in zip(tp1["steps"], dp2["steps"]):
+        assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-5)
+        assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-4)
+    for a, b in zip(tp1["after_logprobs"], dp2["after_logprobs"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=LOGPROB_ATOL)
 
 
 def test_grpo_steps_lower_the_loss_and_follow_the_advantage(run):
