@@ -131,6 +131,11 @@ class Qwen3VLVisionTower(megatron_module_base()):
         self.deepstack_mergers = MergerList(proj_cfg, [Merger(v, proj_cfg, postshuffle=True)
                                                        for _ in v.deepstack_visual_indexes])
         self._deepstack_layers = sorted(v.deepstack_visual_indexes)
+        # Megatron's torch-norm wrapper builds its LayerNorms in fp32 whatever params_dtype says;
+        # torch's layer_norm (unlike rms_norm) refuses a bf16 input with fp32 weights.
+        for module in self.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.to(dtype)
         quarter = v.head_dim // 4
         inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float) / (2 * quarter)))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 4]
