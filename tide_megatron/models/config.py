@@ -119,11 +119,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_checkpoint(cls, checkpoint_dir: str | os.PathLike) -> "ModelConfig":
-        path = os.path.join(os.fspath(checkpoint_dir), "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no Hugging Face config.json at {path}")
-        with open(path) as f:
-            return cls.from_hf_config_dict(json.load(f))
+        return cls.from_hf_config_dict(read_hf_config(checkpoint_dir))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,3 +127,12 @@ class ModelConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def read_hf_config(checkpoint_dir: str | os.PathLike) -> dict:
+    """The `config.json` of a Hugging Face checkpoint directory."""
+    path = os.path.join(os.fspath(checkpoint_dir), "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no Hugging Face config.json at {path}")
+    with open(path) as f:
+        return json.load(f)

@@ -17,9 +17,10 @@ A Qwen3-VL model is a vision tower and a language model:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
+
+from tide_megatron.models.config import read_hf_config
 
 
 @dataclass(frozen=True)
@@ -229,11 +230,7 @@ class VLModelConfig:
 
     @classmethod
     def from_hf_checkpoint(cls, checkpoint_dir: str | os.PathLike) -> "VLModelConfig":
-        path = os.path.join(os.fspath(checkpoint_dir), "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no Hugging Face config.json at {path}")
-        with open(path) as f:
-            return cls.from_hf_config_dict(json.load(f))
+        return cls.from_hf_config_dict(read_hf_config(checkpoint_dir))
 
     def to_dict(self) -> dict:
         return asdict(self)
