@@ -318,6 +318,12 @@ class CTBScheduler:
         self._releasing_tokens[rank] -= pool.releasing.pop(task_id)
         st.releasing_on.discard(rank)
 
+    def awaits_release(self, group_id: Hashable) -> bool:
+        """Some cancelled or paused task of the group still waits for `on_released` (so the
+        group cannot be forgotten yet). Unknown ids: False."""
+        group = self._groups.get(group_id)
+        return group is not None and any(self._tasks[t].releasing_on for t in group.members)
+
     def forget(self, group_id: Hashable) -> list[Hashable]:
         """Drop a group whose tasks have all finished or been cancelled (and released); returns
         the forgotten task ids.

@@ -79,6 +79,8 @@ class CTBDispatcher:
         """Latest engine report per rank (from the plugin)."""
         self.stats = {"admits": 0, "pauses": 0, "resumes": 0, "resumes_with_affinity": 0, "requeues": 0,
                       "restarts": 0, "failures": 0, "cancels": 0, "groups_cancelled": 0}
+        self._forget_after_release: set[str] = set()
+        """Cancelled groups the controller is done with, kept until their ranks confirm every release."""
         self._checked: set[int] = set()
         self._quarantined: set[int] = set()
         self._vanilla_ranks: set[int] = set()
@@ -182,7 +184,12 @@ class CTBDispatcher:
         return [str(c.task.task_id) for c in cancels]
 
     def forget_group(self, group_id: str) -> None:
-        """Drop a finished (or cancelled and released) group's tables."""
+        """Drop a finished or cancelled group's tables; a cancelled group whose ranks have not
+        confirmed every release yet is dropped at its last `task_released`."""
+        if self.cfg.enabled and self.policy.awaits_release(group_id):
+            self._forget_after_release.add(group_id)
+            return
+        self._forget_after_release.discard(group_id)
         for tid in self.policy.forget(group_id):
             self.assignments.pop(str(tid), None)
             self.runner_rank.pop(str(tid), None)
@@ -267,7 +274,10 @@ class CTBDispatcher:
     def task_released(self, rank: int, task_id: str) -> None:
         """The rank holds nothing more of a paused or cancelled task."""
         if self.cfg.enabled:
+            st = self._status(task_id)
             self.policy.on_released(rank, task_id)
+            if st is not None and st.task.group_id in self._forget_after_release:
+                self.forget_group(st.task.group_id)
 
     def _resident_on(self, rank: int, task_id: str) -> bool:
         st = self._status(task_id)

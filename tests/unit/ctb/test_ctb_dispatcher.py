@@ -300,3 +300,22 @@ def test_a_group_past_its_staleness_deadline_is_cancelled_on_its_ranks_and_repor
     assert not d.task_finished(0, "g/0", 300)  # a late finish of a cancelled task does not count
     d.forget_group("g")
     assert not d.assignments and not d.policy.audit()
+
+
+def test_a_cancelled_group_is_forgotten_once_its_ranks_confirm_every_release():
+    """Giving up a group (a member out of retries) while another member runs: the controller is
+    done with it at once, the dispatcher keeps its tables until the rank releases the task (a
+    soak run stopped here when `forget` refused the unreleased task)."""
+    d, c = _dispatcher(ranks=1, kv=10_000, carrier=Recorder(auto_release=False))
+    d.submit(_assignments("g", 2), prompt_tokens=100)
+    d.schedule(0.0)
+    _turn(d, c, "g/0", 200)  # the probe's footprint lets the rest of the group in
+    d.schedule(1.0)
+    assert c.of("admit") == ["g/0", "g/1"]
+    assert d.task_failed(0, "g/0", "env failure")
+    d.cancel_group("g")
+    assert c.of("cancel") == ["g/1"]
+    d.forget_group("g")  # g/1's release is not confirmed yet
+    assert "g/1" in d.assignments and d.policy.rank_releasing(0)[1] == 1
+    d.task_released(0, "g/1")
+    assert not d.assignments and d.policy.rank_releasing(0) == (0, 0) and not d.policy.audit()
