@@ -141,7 +141,7 @@ def main() -> int:
     warm_s = time.time() - t0
     metrics_path = out_dir / "run" / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
            str(REPO / "launch" / "train.py"), f"+recipe={RECIPE}", "metrics.progress=false", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     wall = time.time() - t0

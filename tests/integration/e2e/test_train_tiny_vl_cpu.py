@@ -20,7 +20,7 @@ FAST = ["scheduler.groups_per_step=2", "scheduler.group_size=4", "rollout.runner
 
 
 def torchrun(*overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
            str(REPO / "launch" / "train.py"), "+recipe=tiny_vl_cpu", "metrics.progress=false", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
