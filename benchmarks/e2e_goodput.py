@@ -18,6 +18,7 @@ figures).
 
     python benchmarks/e2e_goodput.py                 # 2 ranks, 10 steps, 3 repetitions
     python benchmarks/e2e_goodput.py --ranks 3 --steps 6 --reps 2
+    python benchmarks/e2e_goodput.py --recipe tiny_vl_cpu   # the multimodal workload (Qwen3-VL, gui_desktop)
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def configs(modes: list[str], ranks: int) -> list[dict]:
 
 
 def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
-    overrides = ["+recipe=tiny_cpu", f"scheduler.mode={cfg['mode']}", f"cluster.rollout_ranks={cfg['rollout']}",
+    overrides = [f"+recipe={args.recipe}", f"scheduler.mode={cfg['mode']}", f"cluster.rollout_ranks={cfg['rollout']}",
                  f"cluster.ref_ranks={cfg['ref']}", f"run.steps={args.steps}", "run.checkpoint_interval=0",
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
                  f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={seed}",
@@ -124,9 +125,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="sync,async_static,stream,tide")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "e2e_goodput_cpu.json"))
+    parser.add_argument("--recipe", default="tiny_cpu",
+                        help="tiny_cpu (door game), or tiny_vl_cpu (the multimodal workload: Qwen3-VL, gui_desktop)")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/e2e_goodput_cpu.json "
+                                                    "(e2e_goodput_vl_cpu.json with --recipe tiny_vl_cpu)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
+    if args.out is None:
+        name = "e2e_goodput_cpu.json" if args.recipe == "tiny_cpu" else f"e2e_goodput_{args.recipe.removeprefix('tiny_')}.json"
+        args.out = str(REPO / "benchmarks" / "results" / name)
 
     cfgs = configs(args.modes.split(","), args.ranks)
     runs: list[dict] = []
@@ -203,7 +210,7 @@ def main() -> int:
                     "load_avg_1_5_15": os.getloadavg(), "device": "cpu"},
         "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
                    "seed": args.seed, "latency_overrides": LATENCY, "extra_overrides": args.overrides,
-                   "recipe": "tiny_cpu"},
+                   "recipe": args.recipe},
         "summary": summary,
         "ratios": ratios,
         "runs": runs,
