@@ -62,13 +62,16 @@ class CTBConfig:
     """A paused task waits this long for room on the rank it ran on before it may resume on
     another rank; meanwhile that rank admits nothing new. 0: move at once; inf: never move (a
     carrier that cannot move tasks between ranks)."""
-    deadline_admission: bool = True
+    deadline_admission: bool = False
     """With a `TrainerClock`, start a training group only if now + the predicted group latency
     (`latency_quantile` of the last `latency_window` completed groups) is within its deadline
     (the end of the step producing version v + max_staleness + 1, v the version it starts at).
     Cold start (no group completed yet): no prediction, the staleness throttle alone bounds
     admission. With no training work outstanding a group always starts: the trainer's next
-    step, which moves every deadline, needs it."""
+    step, which moves every deadline, needs it. Off by default: a group that finishes in time
+    may still wait behind the trainer's backlog, so the prediction is not the bound, and
+    measured against the fixed window (`benchmarks/ctb_admission_rules.py`, the real tide mode)
+    it lowered goodput and raised waste."""
     latency_quantile: float = 0.9
     """The prediction is this quantile of recent group latencies: a group starts only if 9 in 10
     recent groups would have made its deadline, so while the latency distribution holds about 1
@@ -77,12 +80,14 @@ class CTBConfig:
     """Completed training groups the quantile is taken over: enough that the 0.9 quantile is not
     just the maximum (>= 10 samples, 3 beyond it at 32), few enough to follow a changing workload
     within a few steps (a step consumes B_ideal / G groups, e.g. 16)."""
-    throttle_from_consumption: bool = True
+    throttle_from_consumption: bool = False
     """With a measured consumption rate c (trajectories/s) in the clock, the staleness throttle
     caps outstanding training trajectories at c x (deadline of a group started now - now): what
     the trainer can take before work started now goes stale. False, or no rate measured yet: the
     fixed (max_staleness + 1) x trainer_batch_trajectories (the same when c = B_ideal / T_step
-    and a step has just begun)."""
+    and a step has just begun). Off by default: the fixed window is exactly what the staleness
+    bound allows; the rate-based one overshoots it when steps speed up (see
+    `deadline_admission` for the measurement)."""
     cancel_doomed: bool = True
     """With a clock, a started training group that can no longer be consumed within the staleness
     bound (the version the ranks serve is past v + max_staleness) is cancelled at once: a

@@ -165,6 +165,12 @@ class SchedulerConfig:
     """TIDE: elastic role changes between steps (otherwise the shares stay fixed)."""
     ctb: bool = True
     """TIDE: continuous task batching (otherwise request-level scheduling in the engine)."""
+    ctb_deadline_admission: bool = False
+    """TIDE with CTB: the core's `CTBConfig.deadline_admission` (admit only groups predicted to
+    finish by their staleness deadline); off by default, as in the real system."""
+    ctb_throttle_from_consumption: bool = False
+    """TIDE with CTB: the core's `CTBConfig.throttle_from_consumption` (staleness window from the
+    measured consumption rate instead of (bound + 1) x batch); off by default, as in the real system."""
     microbatch_tokens: int = 8192
     """Tokens per actor DP rank in one micro-batch."""
     ref_actor_ratio: int = 3

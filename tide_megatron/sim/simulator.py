@@ -120,7 +120,9 @@ class Simulator:
             ctb_cfg = CTBConfig(
                 rank_token_budget=self.kv_budget, env_concurrency=wl.env_concurrency,
                 max_staleness=wl.staleness_bound, trainer_batch_trajectories=self.B,
-                context_norm_tokens=max(t.max_context_tokens for t in wl.task_types))
+                context_norm_tokens=max(t.max_context_tokens for t in wl.task_types),
+                deadline_admission=sched.ctb_deadline_admission,
+                throttle_from_consumption=sched.ctb_throttle_from_consumption)
             policy = CTBPolicy(ctb_cfg, ctb_cfg.rank_token_budget, lambda: self.finished_unconsumed,
                                clock_fn=self._trainer_clock, on_group_cancelled=self._cancel_group)
         else:

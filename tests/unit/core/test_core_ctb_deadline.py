@@ -31,7 +31,8 @@ def group(gid, n=4, prompt=100, is_eval=False):
 
 def sched(**kw):
     base = dict(rank_token_budget=100_000, env_concurrency=1000, trainer_batch_trajectories=1000,
-                probe_turn_reserve_tokens=100, context_norm_tokens=10_000, max_staleness=1, **DEADLINE_RULES)
+                probe_turn_reserve_tokens=100, context_norm_tokens=10_000, max_staleness=1, **DEADLINE_RULES,
+                deadline_admission=True, throttle_from_consumption=True)  # the options under test (off by default)
     base.update(kw)
     return CTBScheduler(CTBConfig(**base), (0,))
 
