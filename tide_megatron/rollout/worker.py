@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -154,17 +155,30 @@ class RolloutWorker:
         if self._engine_factory is None:
             raise RuntimeError(f"rollout rank {self.rank}: the engine died and no factory can replace it")
         logger.warning("rollout rank %d: restarting its engine", self.rank)
+        # A new engine takes as long to start as the first (over a minute on a loaded CPU); the
+        # event loop is not running meanwhile, so a thread keeps rank 0's heartbeat clock fed.
+        restarted = threading.Event()
+        beats = threading.Thread(target=self._beat_until, args=(restarted,), daemon=True, name="restart-heartbeat")
+        beats.start()
         try:
-            self.engine.shutdown()
-        except Exception:
-            logger.exception("shutting down the dead engine")
-        self.engine = self._engine_factory()
-        self._engines[self.rank] = self.engine
-        self.engine_restarts += 1
-        if self._last_weights is not None:
-            manifest, flat = self._last_weights
-            self.engine.loop.run_until_complete(
-                self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("shutting down the dead engine")
+            self.engine = self._engine_factory()
+            self._engines[self.rank] = self.engine
+            self.engine_restarts += 1
+            if self._last_weights is not None:
+                manifest, flat = self._last_weights
+                self.engine.loop.run_until_complete(
+                    self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
+        finally:
+            restarted.set()
+            beats.join()
+
+    def _beat_until(self, done: threading.Event) -> None:
+        while not done.wait(self.heartbeat_interval_s):
+            self._heartbeat()
 
     async def _handle(self, msg) -> None:
         if isinstance(msg, RunTask):

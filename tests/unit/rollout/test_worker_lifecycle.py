@@ -1,5 +1,7 @@
-"""A rollout rank told to stop ends every task it holds, including one paused by CTB that
-waits for a resume which will never come (a CI run hung there after its last step)."""
+"""A rollout rank's lifecycle with fakes (no SGLang): told to stop, it ends every task it holds,
+including one paused by CTB that waits for a resume which will never come (a CI run hung there
+after its last step); while it replaces a dead engine it keeps sending heartbeats (a slow
+restart on a loaded machine once looked like a silent rank)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 import threading
 import types
 
-from tide_megatron.comm.messages import RunTask, Stop, TaskAssignment, TaskCancelled
+from tide_megatron.comm.messages import Heartbeat, RunTask, Stop, TaskAssignment, TaskCancelled
 from tide_megatron.rollout import worker as worker_mod
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
@@ -72,3 +74,22 @@ def test_stop_ends_a_paused_task_and_returns(monkeypatch):
     cancelled = [m for m in mailbox.sent if isinstance(m, TaskCancelled)]
     assert [m.task_id for m in cancelled] == [assignment.trajectory_id]
     assert worker._tasks == {}
+
+
+def test_heartbeats_go_on_while_a_dead_engine_is_replaced():
+    mailbox = FakeMailbox()
+
+    def slow_factory():
+        threading.Event().wait(0.6)  # an engine start, much shortened
+        return FakeEngine()
+
+    worker = worker_mod.RolloutWorker(1, FakeEngine(), TaskRunnerConfig(), types.SimpleNamespace(), env=None,
+                                      mailbox=mailbox, job_group=None, heartbeat_interval_s=0.05,
+                                      engine_factory=slow_factory)
+    worker._restart_engine()
+    beats = [m for m in mailbox.sent if isinstance(m, Heartbeat)]
+    assert len(beats) >= 5, f"{len(beats)} heartbeats during a 0.6 s restart at a 0.05 s interval"
+    assert worker.engine_restarts == 1
+    sent = len(mailbox.sent)
+    threading.Event().wait(0.2)
+    assert len(mailbox.sent) == sent  # the heartbeat thread ended with the restart
