@@ -180,6 +180,7 @@ class RolloutEngine:
                 os.environ.setdefault(key, value)
         self.died = False
         """A subprocess of the engine (its scheduler) died; the engine must be replaced."""
+        self._death = asyncio.Event()  # set with `died`: wakes every call waiting on the scheduler
         kwargs = cfg.engine_kwargs(model_path)
         # SGLang's default answer to a dead scheduler is to kill this whole process tree, which
         # would take the rollout rank (and, under torchrun, the job) with it. Instead the rank
@@ -219,6 +220,27 @@ class RolloutEngine:
     def _child_died(self, signum, frame) -> None:
         logger.error("an SGLang subprocess of this rollout rank died; the engine will be replaced")
         self.died = True
+        loop = getattr(self, "loop", None)  # None while the engine itself is starting
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._death.set)
+
+    async def _unless_dead(self, awaitable):
+        """Await a call on the scheduler, or raise as soon as the engine dies: a dead scheduler
+        never answers, and a call left waiting would stall the rank (its heartbeats too)."""
+        work = asyncio.ensure_future(awaitable)
+        if self.died:
+            work.cancel()
+            raise RuntimeError("the rollout engine died")
+        death = asyncio.ensure_future(self._death.wait())
+        try:
+            await asyncio.wait({work, death}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+            if not work.done():
+                work.cancel()
+        if work.cancelled() or not work.done():
+            raise RuntimeError("the rollout engine died")
+        return work.result()
 
     @contextlib.asynccontextmanager
     async def turn(self):
@@ -258,14 +280,14 @@ class RolloutEngine:
             session_params = {"id": session_id}
             if previous_rid is not None:
                 session_params["rid"] = previous_rid
-        out = await self._engine.async_generate(
+        out = await self._unless_dead(self._engine.async_generate(
             input_ids=list(input_ids),
             sampling_params=sampling_params,
             return_logprob=True,
             session_params=session_params,
             rid=rid,
             image_data=image_data,
-        )
+        ))
         meta = out["meta_info"]
         finish = meta.get("finish_reason") or {}
         reason = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
@@ -289,9 +311,9 @@ class RolloutEngine:
             raise RuntimeError("the rollout engine died")
         from sglang.srt.managers.io_struct import OpenSessionReqInput
 
-        session_id = await self._tm.open_session(
+        session_id = await self._unless_dead(self._tm.open_session(
             OpenSessionReqInput(capacity_of_str_len=capacity_tokens, streaming=True), None
-        )
+        ))
         if session_id is not None:
             self._sessions.add(session_id)
         return session_id
@@ -306,7 +328,10 @@ class RolloutEngine:
         from sglang.srt.managers.io_struct import CloseSessionReqInput
 
         self._sessions.discard(session_id)
-        await self._tm.close_session(CloseSessionReqInput(session_id=session_id), None)
+        try:
+            await self._unless_dead(self._tm.close_session(CloseSessionReqInput(session_id=session_id), None))
+        except RuntimeError:
+            pass  # died meanwhile: the session went with its scheduler
 
     @property
     def open_sessions(self) -> int:
@@ -324,7 +349,7 @@ class RolloutEngine:
             await self._no_turns.wait()
             for session_id in list(self._sessions):
                 await self.close_session(session_id)
-            await self._load(payload, version)
+            await self._unless_dead(self._load(payload, version))
             self.weight_version = version
             self.weight_epoch += 1
         finally:
@@ -360,7 +385,7 @@ class RolloutEngine:
                                f"{FLUSH_TIMEOUT_S:.0f} s: {flushed.message}")
 
     async def flush_cache(self) -> bool:
-        return (await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)).success
+        return (await self._unless_dead(self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S))).success
 
     def shutdown(self) -> None:
         import multiprocessing

@@ -96,6 +96,8 @@ class RolloutWorker:
         self._engine_factory = engine_factory
         self._last_weights: Optional[tuple[weight_sync.WeightManifest, Any]] = None
         self.engine_restarts = 0
+        self._weights_owed = False
+        """The engine died while loading the last weights: report them once a new engine has them."""
         self.job_group = job_group
         self.engine = engine
         self.mailbox = mailbox
@@ -170,8 +172,12 @@ class RolloutWorker:
             self.engine_restarts += 1
             if self._last_weights is not None:
                 manifest, flat = self._last_weights
+                t0 = time.perf_counter()
                 self.engine.loop.run_until_complete(
                     self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
+                if self._weights_owed:  # rank 0 may be waiting for this version (sync mode)
+                    self._weights_owed = False
+                    self._report_loaded(manifest.version, 0.0, time.perf_counter() - t0)
         finally:
             restarted.set()
             beats.join()
@@ -272,12 +278,21 @@ class RolloutWorker:
         flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
         t0 = time.perf_counter()
         self._last_weights = (manifest, flat)  # what a replacement engine starts from
-        await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+        try:
+            await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+        except RuntimeError:
+            if not self.engine.died:
+                raise
+            self._weights_owed = True  # the replacement loads them and reports then
+            return
         if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(manifest.version) and not self.engine_restarts:
             _kill_scheduler()
+        self._report_loaded(manifest.version, comm_s, time.perf_counter() - t0)
+
+    def _report_loaded(self, version: int, broadcast_s: float, load_s: float) -> None:
         busy, idle = self._busy_idle()
-        self.mailbox.post(CONTROLLER, WeightsLoaded(manifest.version, broadcast_s=comm_s,
-                                                    load_s=time.perf_counter() - t0, busy_s=busy, idle_s=idle))
+        self.mailbox.post(CONTROLLER, WeightsLoaded(version, broadcast_s=broadcast_s, load_s=load_s,
+                                                    busy_s=busy, idle_s=idle))
 
 
 class _Listener:
