@@ -7,28 +7,27 @@ the weight push call these functions and never look at the family themselves.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator, Union
 
 import torch
 
-from tide_megatron.models.config import ModelConfig
+from tide_megatron.models.config import ModelConfig, read_hf_config
 from tide_megatron.models.qwen3_vl_config import VLModelConfig
+
+VL_MODEL_TYPE = "qwen3_vl"
 
 PolicyConfig = Union[ModelConfig, VLModelConfig]
 
 
 def model_config_from_checkpoint(checkpoint_dir: str | os.PathLike) -> PolicyConfig:
     """The architecture of an HF checkpoint directory, from its `config.json` `model_type`."""
-    path = os.path.join(os.fspath(checkpoint_dir), "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no Hugging Face config.json at {path}")
-    with open(path) as f:
-        hf = json.load(f)
-    if hf.get("model_type") == "qwen3_vl":
-        return VLModelConfig.from_hf_config_dict(hf)
-    return ModelConfig.from_hf_config_dict(hf)
+    hf = read_hf_config(checkpoint_dir)
+    return (VLModelConfig if hf.get("model_type") == VL_MODEL_TYPE else ModelConfig).from_hf_config_dict(hf)
+
+
+def is_vision_language_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
+    return read_hf_config(checkpoint_dir).get("model_type") == VL_MODEL_TYPE
 
 
 def is_vision_language(cfg: PolicyConfig) -> bool:

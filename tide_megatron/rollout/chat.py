@@ -34,23 +34,18 @@ class ChatFormat:
     system_prompt: str | None = None
     images: "ImagePrompts | None" = None
     """The policy's image handling; None for a text-only policy."""
-    _image_turns: dict[int, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
+    _user_turns: dict[int, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         tok = self.tokenizer
         vocab = tok.get_vocab()
         self._vision_texts = [t for t in VISION_SPECIAL_TOKENS if t in vocab]
         self.eos_token_id: int = tok.convert_tokens_to_ids(tok.eos_token) if tok.eos_token else -1
-        head = self._messages(_PROBE) + [{"role": "assistant", "content": _PROBE}]
-        closed = tok.apply_chat_template(head, tokenize=False)
+        self._head = self._messages(_PROBE) + [{"role": "assistant", "content": _PROBE}]
+        self._closed = tok.apply_chat_template(self._head, tokenize=False)
         # What the template writes after an assistant's content, e.g. "<|im_end|>\n".
-        self._assistant_close = closed[closed.rindex(_PROBE) + len(_PROBE) :]
-        follow = tok.apply_chat_template(
-            head + [{"role": "user", "content": _PROBE}], tokenize=False, add_generation_prompt=True
-        )
-        assert follow.startswith(closed), "chat template is not append-only across turns"
-        user_turn = follow[len(closed) :]
-        self._user_before, self._user_after = user_turn.split(_PROBE)
+        self._assistant_close = self._closed[self._closed.rindex(_PROBE) + len(_PROBE) :]
+        self._user_turn(0)
 
     def _messages(self, first_user: str, num_images: int = 0) -> list[dict[str, Any]]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -87,18 +82,16 @@ class ChatFormat:
         return self._encode(close + before + self._clean(observation) + after)
 
     def _user_turn(self, num_images: int) -> tuple[str, str]:
-        """The template's text around a user turn's observation text, images included."""
-        if not num_images:
-            return self._user_before, self._user_after
-        if num_images not in self._image_turns:
-            head = self._messages(_PROBE) + [{"role": "assistant", "content": _PROBE}]
-            closed = self.tokenizer.apply_chat_template(head, tokenize=False)
+        """The template's text around a later user turn's observation text, with its images
+        (rendered once per image count)."""
+        if num_images not in self._user_turns:
             follow = self.tokenizer.apply_chat_template(
-                head + [{"role": "user", "content": self._content(_PROBE, num_images)}], tokenize=False,
+                self._head + [{"role": "user", "content": self._content(_PROBE, num_images)}], tokenize=False,
                 add_generation_prompt=True)
-            before, after = follow[len(closed):].split(_PROBE)
-            self._image_turns[num_images] = (before, after)
-        return self._image_turns[num_images]
+            assert follow.startswith(self._closed), "chat template is not append-only across turns"
+            before, after = follow[len(self._closed):].split(_PROBE)
+            self._user_turns[num_images] = (before, after)
+        return self._user_turns[num_images]
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

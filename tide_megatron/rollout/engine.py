@@ -147,16 +147,6 @@ def _wants_file_rendezvous(engine_kwargs: dict[str, Any]) -> bool:
 VISION_LANGUAGE_SGLANG_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0", "SGLANG_MM_AVOID_RETOKENIZE": "1"}
 
 
-def _is_vision_language(model_path: str) -> bool:
-    import json
-
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            return json.load(f).get("model_type") == "qwen3_vl"
-    except (OSError, ValueError):
-        return False
-
-
 def _signal_handler_class(engine: "RolloutEngine"):
     from sglang.srt.managers.tokenizer_manager import SignalHandler
 
@@ -175,7 +165,9 @@ class RolloutEngine:
 
         self.cfg = cfg
         self.model_path = model_path
-        if _is_vision_language(model_path):
+        from tide_megatron.models.policy import is_vision_language_checkpoint
+
+        if is_vision_language_checkpoint(model_path):
             for key, value in VISION_LANGUAGE_SGLANG_ENV.items():
                 os.environ.setdefault(key, value)
         self.died = False
@@ -273,8 +265,6 @@ class RolloutEngine:
         appended since the session's previous turn (`previous_rid`). `rid` names the
         request (CTB's task tag rides in it, see `sglang_patches.task_tag`). `image_data`:
         the encoded images of the image placeholders in `input_ids`, in order."""
-        if self.died:
-            raise RuntimeError("the rollout engine died")
         session_params = None
         if session_id is not None:
             session_params = {"id": session_id}
@@ -307,8 +297,6 @@ class RolloutEngine:
     async def open_session(self, capacity_tokens: int) -> str | None:
         if not self.cfg.use_sessions:
             return None
-        if self.died:
-            raise RuntimeError("the rollout engine died")
         from sglang.srt.managers.io_struct import OpenSessionReqInput
 
         session_id = await self._unless_dead(self._tm.open_session(
