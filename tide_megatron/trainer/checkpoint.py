@@ -35,6 +35,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from tide_megatron.utils.atomic import write_atomic
+
 if TYPE_CHECKING:
     from tide_megatron.trainer.actor import MegatronActor
 
@@ -73,15 +75,6 @@ def step_of(path: str | os.PathLike) -> Optional[int]:
 
 
 # -- files: atomic writes, manifest ---------------------------------------------------------
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -104,7 +97,7 @@ def write_manifest(path: str | os.PathLike, step: int) -> dict[str, Any]:
     files = {rel: {"bytes": os.path.getsize(os.path.join(path, rel)), "sha256": _sha256(os.path.join(path, rel))}
              for rel in _checkpoint_files(path)}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
-    _write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     return manifest
 
 
@@ -305,9 +298,9 @@ def save_checkpoint(actor: "MegatronActor", root: str | os.PathLike,
     _barrier()
     if rank == 0:
         if run_state is not None:
-            _write_atomic(os.path.join(path, RUN_STATE), json.dumps(run_state).encode())
+            write_atomic(os.path.join(path, RUN_STATE), json.dumps(run_state).encode())
         write_manifest(path, actor.step)
-        _write_atomic(os.path.join(root, LATEST_MARKER), (step_dir_name(actor.step) + "\n").encode())
+        write_atomic(os.path.join(root, LATEST_MARKER), (step_dir_name(actor.step) + "\n").encode())
     _barrier()
     return path
 

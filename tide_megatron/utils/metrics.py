@@ -21,6 +21,7 @@ import time
 from typing import Any, Optional
 
 from tide_megatron.utils import fault_injection
+from tide_megatron.utils.atomic import write_atomic
 from tide_megatron.utils.console import say
 
 logger = logging.getLogger(__name__)
@@ -145,10 +146,7 @@ def truncate_after(path: str, resume_step: int) -> int:
             else:
                 dropped += 1
     if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept).encode())
     return dropped
 
 
