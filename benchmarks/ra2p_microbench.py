@@ -10,8 +10,8 @@ without (VS) model offloading; per-step time and the ratio to VSO.
 Each method runs in fresh processes (Megatron's CPU shims are process-wide): VS, VSO and CM in
 one process (Ref and Actor colocated); DM in two, a Ref rank and an Actor rank, each its own
 default group, with the log-probs streamed over a gloo group between them. On one machine DM
-therefore uses two processes (two cores on CPU, two GPUs on CUDA) where the others use one;
-the JSON notes say so. Timings: the executors' own (CUDA-synchronised on GPU); the step time is
+therefore uses two processes (two cores on CPU; two GPUs on CUDA, or both on GPU 0 when the
+machine has one) where the others use one; the JSON notes say which. Timings: the executors' own (CUDA-synchronised on GPU); the step time is
 the median over the measured steps after `--warmup` steps.
 Writes benchmarks/results/ra2p_microbench.json (command, machine, date, figures).
 """
@@ -153,7 +153,7 @@ def _worker(rank: int, args, hf_dir: str, method: str, ports: tuple[int, int]) -
 
     try:
         # Every process is its own single-rank default world (DM's two ranks meet on the stream
-        # group only); on CUDA each DM rank gets its own GPU.
+        # group only); on CUDA each DM rank gets its own GPU, or both share GPU 0 when there is one.
         if args.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.HashStore(),
@@ -249,12 +249,22 @@ def main() -> None:
             "is a copy into a separate host buffer, free, re-allocate and copy back (real memcpy cost).",
             "GPU figures (--device cuda --model-size 1.5b --mb-tokens 8192: pinned host buffers, side-stream "
             "copies, CUDA-synchronised timings) are pending: not run yet.",
-        ],
+        ] + _device_notes(args),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2, default=str)
     print(f"wrote {args.out}")
+
+
+def _device_notes(args) -> list[str]:
+    """What the JSON must say about how DM's two processes were placed on the devices."""
+    if args.device != "cuda" or "DM" not in args.methods.split(","):
+        return []
+    if torch.cuda.device_count() == 1:
+        return ["DM on one CUDA device: its Ref and Actor processes share GPU 0 (two CUDA contexts, "
+                "kernels time-sliced), so DM had one GPU like the other methods, not two."]
+    return ["DM: Ref process on GPU 0, Actor process on GPU 1 (two GPUs where the others use one)."]
 
 
 def _param_count(kw: dict) -> int:
