@@ -5,12 +5,14 @@ ranks [b*tp, (b+1)*tp)); the W % tp ranks after the last block are single-rank u
 can roll out or serve as a TP=1 reference, never be actors). Actors are always the first k
 blocks (a contiguous prefix), for k = 1..W // tp. The data-parallel group of TP position j
 under k actor blocks is then (j, tp + j, ..., (k-1)*tp + j), one group per (k, j): W // tp * tp
-groups, not one per subset of ranks (2^W). Together with each block's TP group and one
-single-rank group per rank (Megatron's PP/CP/embedding groups when PP = CP = 1, and the TP group
-of a TP=1 unit) that is all a trainer configuration needs:
+groups, not one per subset of ranks (2^W). Together with each block's TP group, one single-rank
+group per rank (Megatron's PP/CP/embedding groups when PP = CP = 1, and the TP group of a TP=1
+unit) and the group of all actor ranks of each k (Megatron's TP x DP group: checkpoints, the
+distributed optimizer) that is all a trainer configuration needs. With B = W // tp blocks:
 
-    unique groups = W (single-rank) + W // tp (TP blocks, if tp > 1) + (W // tp - 1) * tp (DP)
-                    (+ the default group over all W ranks, made by init_process_group)
+    tp = 1:  unique groups = W (single-rank) + (B - 1) (DP = all actors)
+    tp > 1:  unique groups = W + B (TP blocks) + (B - 1) * tp (DP) + (B - 1) (all actors)
+    (+ the default group over all W ranks, made by init_process_group)
 
 A role change picks the `ProcessGroupCollection` of the new k (`GroupRegistry.actor_groups`);
 it never creates a group. Groups are created with `use_local_synchronization=True` (only the
@@ -124,6 +126,8 @@ class GroupLayout:
             specs += [GroupSpec(f"tp/{b}", self.home_tp_ranks(b * self.tp_size)) for b in range(self.num_blocks)]
         specs += [GroupSpec(f"dp/{k}/{j}", self.dp_ranks(k, j))
                   for k in range(2, self.num_blocks + 1) for j in range(self.tp_size)]
+        if self.tp_size > 1:  # with TP = 1 the actors of k blocks are dp/k/0 (or self/0)
+            specs += [GroupSpec(f"actors/{k}", self.actor_ranks(k)) for k in range(2, self.num_blocks + 1)]
         return specs
 
     def groups_of(self, rank: int) -> list[GroupSpec]:
@@ -135,7 +139,9 @@ class GroupLayout:
     def num_groups(self) -> int:
         """Groups the layout creates (the default group over all ranks not counted)."""
         blocks = self.num_blocks
-        return self.world_size + (blocks if self.tp_size > 1 else 0) + (blocks - 1) * self.tp_size
+        if self.tp_size == 1:
+            return self.world_size + blocks - 1
+        return self.world_size + blocks + (blocks - 1) * (self.tp_size + 1)
 
 
 # ---- creating the groups -------------------------------------------------------------------
@@ -201,22 +207,26 @@ class GroupRegistry:
             raise ValueError(f"rank {self.rank} is not an actor when {actor_blocks} blocks train")
         return self.group(self.layout.dp_ranks(actor_blocks, self.layout.tp_position(self.rank)))
 
+    def actors_group(self, actor_blocks: int) -> dist.ProcessGroup:
+        """All actor ranks when the first `actor_blocks` blocks train (group rank == global rank)."""
+        return self.group(self.layout.actor_ranks(actor_blocks))
+
     def actor_groups(self, actor_blocks: int):
         """Megatron's `ProcessGroupCollection` for an actor rank under `actor_blocks` DP ranks."""
         key = ("actor", actor_blocks)
         if key not in self._collections:
-            dp = self.dp_group(actor_blocks)
-            self._collections[key] = self._collection(dp)
+            self._collections[key] = self._collection(self.dp_group(actor_blocks),
+                                                      self.actors_group(actor_blocks))
         return self._collections[key]
 
     def model_groups(self):
         """The `ProcessGroupCollection` of a forward-only model on this rank's home TP group
         (a reference): DP is the rank alone."""
         if "model" not in self._collections:
-            self._collections["model"] = self._collection(self.self_group)
+            self._collections["model"] = self._collection(self.self_group, self.tp_group)
         return self._collections["model"]
 
-    def _collection(self, dp: dist.ProcessGroup):
+    def _collection(self, dp: dist.ProcessGroup, tp_dp: dist.ProcessGroup):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         tp, alone = self.tp_group, self.self_group
@@ -226,7 +236,7 @@ class GroupRegistry:
             tp=tp, mp=tp, tp_cp=tp, expt_tp=tp, tp_ep=tp, tp_ep_pp=tp,
             pp=alone, cp=alone, ep=alone, embd=alone, pos_embd=alone,
             dp=dp, dp_cp=dp, intra_dp_cp=dp, expt_dp=dp, intra_expt_dp=dp, intra_dist_opt=dp,
-            inter_dist_opt=None)
+            tp_dp_cp=tp_dp, inter_dist_opt=None)
 
 
 # ---- the process-wide registry -------------------------------------------------------------

@@ -150,19 +150,16 @@ def megatron_to_hf(model: torch.nn.Module, cfg: ModelConfig,
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every weight of a (TP-sharded) Megatron GPTModel.
 
-    Collective over `tp_group` (default: Megatron's TP group): every TP rank must iterate it to
-    the end, in the same order. Tensors are detached, contiguous, on the model's device, in the
+    Collective over `tp_group` (default: the model's own, `GPTModel.pg_collection.tp`): every TP
+    rank must iterate it to the end, in the same order. Tensors are detached, contiguous, on the model's device, in the
     model's dtype: the shape SGLang's `update_weights_from_tensor` /
     `update_weights_from_distributed` take. With tied embeddings `lm_head.weight` is not yielded
     (HF and SGLang tie it to `model.embed_tokens.weight`).
     """
     model = unwrap_model(model)
     if tp_group is None:
-        from megatron.core import parallel_state
-
-        tp_group = parallel_state.get_tensor_model_parallel_group() if (
-            parallel_state.model_parallel_is_initialized()) else None
-    tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+        tp_group = model.pg_collection.tp
+    tp_size = tp_group.size()
     for name, param in model.named_parameters():
         local = param.detach().contiguous()
         if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
@@ -175,9 +172,8 @@ def megatron_to_hf(model: torch.nn.Module, cfg: ModelConfig,
 
 def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | dict, cfg: ModelConfig
                           ) -> None:
-    """Copy an HF checkpoint (directory or state dict) into this rank's shard of `model`."""
-    from megatron.core import parallel_state
-
+    """Copy an HF checkpoint (directory or state dict) into this rank's shard of `model` (its TP
+    rank and size are those of the model's own TP group)."""
     from tide_megatron.models.hf_checkpoint import load_hf_state_dict
 
     state = source if isinstance(source, dict) else load_hf_state_dict(source)
@@ -185,10 +181,9 @@ def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | di
         raise KeyError("checkpoint has no model.embed_tokens.weight")
     if not cfg.tie_word_embeddings and "lm_head.weight" not in state:
         raise KeyError("untied config but checkpoint has no lm_head.weight")
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    shard = hf_to_megatron(state, cfg, tp_rank, tp_size)
     module = unwrap_model(model)
+    tp_group = module.pg_collection.tp
+    shard = hf_to_megatron(state, cfg, tp_group.rank(), tp_group.size())
     params = dict(module.named_parameters())
     missing = set(params) - set(shard)
     unexpected = set(shard) - set(params)

@@ -9,6 +9,13 @@ Layout under a root directory:
 rename, so a crash mid-save leaves the previous checkpoint as the one to resume from. The
 format is dist_checkpointing's, which can reshard to another TP size on load; the tests cover
 save/load at the same TP size only (TP=1 and TP=2).
+
+Who takes part: every current actor rank, and no other. dist_checkpointing runs its collectives
+on the default group, which spans the whole job (rollout ranks too), so they run with the
+actors' group of the current configuration as the default (`comm.groups.as_default_group`; the
+actors are ranks 0..n-1, so its ranks are the global ranks). DP replicas beyond the first write
+nothing (Megatron's replica ids); a rank that joins later receives the state from a current
+actor instead of reading it (`state_transfer.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ def step_dir_name(step: int) -> str:
 
 
 def _sharded_state_dict(actor: MegatronActor, is_loading: bool) -> dict:
-    model_sd = actor.module.sharded_state_dict()
+    model_sd = actor.module.sharded_state_dict(metadata={"dp_cp_group": actor.groups.dp_cp})
     return {
         "model": model_sd,
         "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -35,32 +42,31 @@ def _sharded_state_dict(actor: MegatronActor, is_loading: bool) -> dict:
     }
 
 
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def save_checkpoint(actor: MegatronActor, root: str | os.PathLike) -> str:
     """Write the actor's model, optimizer and step under `root`; returns the step directory.
 
-    Collective: every rank of the actor must call it.
+    Collective over every actor rank of the current configuration (`actor.groups.tp_dp_cp`).
     """
     from megatron.core import dist_checkpointing
 
+    from tide_megatron.comm.groups import as_default_group
+
     root = os.fspath(root)
     path = os.path.join(root, step_dir_name(actor.step))
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-    _barrier()
-    dist_checkpointing.save(_sharded_state_dict(actor, is_loading=False), path)
-    _barrier()
-    if rank == 0:
-        tmp = os.path.join(root, LATEST_MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(step_dir_name(actor.step) + "\n")
-        os.replace(tmp, os.path.join(root, LATEST_MARKER))
-    _barrier()
+    actors = actor.groups.tp_dp_cp
+    with as_default_group(actors):
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(_sharded_state_dict(actor, is_loading=False), path)
+        torch.distributed.barrier()
+        if rank == 0:
+            tmp = os.path.join(root, LATEST_MARKER + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(step_dir_name(actor.step) + "\n")
+            os.replace(tmp, os.path.join(root, LATEST_MARKER))
+        torch.distributed.barrier()
     return path
 
 
@@ -81,14 +87,18 @@ def latest_checkpoint(root: str | os.PathLike) -> str:
 def load_checkpoint(actor: MegatronActor, path: str | os.PathLike) -> int:
     """Load model, optimizer and step from one step directory into `actor`; returns the step.
 
-    Collective. Raises FileNotFoundError naming `path` when it is not a checkpoint directory.
+    Collective over every actor rank (as `save_checkpoint`). Raises FileNotFoundError naming
+    `path` when it is not a checkpoint directory.
     """
     from megatron.core import dist_checkpointing
+
+    from tide_megatron.comm.groups import as_default_group
 
     path = os.fspath(path)
     if not os.path.isdir(path) or not dist_checkpointing.check_is_distributed_checkpoint(path):
         raise FileNotFoundError(f"no Megatron dist_checkpointing checkpoint at {path}")
-    state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), path)
+    with as_default_group(actor.groups.tp_dp_cp):
+        state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), path)
     actor.module.load_state_dict(state["model"])
     actor.optimizer.load_state_dict(state["optimizer"])
     actor.step = int(state["step"])

@@ -3,27 +3,63 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tide_megatron.models.megatron_gpt import causal_attention_mask
+from tide_megatron.models.weight_conversion import unwrap_model
 
 
-def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log softmax(logits)[target] with the vocabulary split over a TP group.
+
+    Megatron's `vocab_parallel_cross_entropy` computes the same (max, partition function and
+    target logit all-reduced over TP, never the [N, V] logits gathered) but reads its TP group
+    from the global `parallel_state`; this one takes the group, so models of different parallel
+    configurations can live in one process (`comm/groups.py`).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+        # logits: # [N, V/tp] fp32, this rank's vocab shard; target: # [N] global vocab ids
+        part = logits.shape[-1]
+        start = group.rank() * part if group is not None else 0
+        logits_max = logits.max(dim=-1).values  # [N]
+        if group is not None and group.size() > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max[:, None]  # [N, V/tp]
+        local = target - start
+        in_range = (local >= 0) & (local < part)  # [N]: the target id lives on this shard
+        index = local.clamp(0, part - 1)
+        exp = shifted.exp()
+        sums = torch.stack([shifted.gather(-1, index[:, None])[:, 0] * in_range, exp.sum(-1)])  # [2, N]
+        if group is not None and group.size() > 1:
+            dist.all_reduce(sums, group=group)
+        picked, partition = sums
+        ctx.save_for_backward(exp.div_(partition[:, None]), index, in_range)  # softmax shard
+        return picked - partition.log()  # [N]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, in_range = ctx.saved_tensors
+        # d logprob / d logits = onehot(target) - softmax, on this rank's shard.
+        grad_logits = softmax * -grad[:, None]
+        grad_logits.scatter_add_(-1, index[:, None], (grad * in_range)[:, None])
+        return grad_logits, None, None
+
+
+def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor, tp_group=None) -> torch.Tensor:
     """log p(token_ids[:, t] | token_ids[:, :t]), aligned with token_ids; 0 at t = 0.
 
     logits: # [B, T, V / tp], this rank's vocab shard (Megatron `parallel_output=True`)
     token_ids: # [B, T]
-    returns: # [B, T] float32, identical on every TP rank
-
-    Uses Megatron's vocab-parallel cross entropy, which all-reduces the max and the partition
-    function over the TP group instead of gathering [B, T, V] logits; it is exactly
-    -log_softmax(logits)[target] and differentiable. It overwrites `logits` in place.
+    tp_group: the group the vocabulary is split over (None: not split)
+    returns: # [B, T] float32, identical on every TP rank; differentiable
     """
-    from megatron.core import tensor_parallel
-
-    next_ids = token_ids[:, 1:]  # [B, T-1]: the token each position predicts
-    # The CE kernel reads logits in fp32 precision only if they are fp32.
-    logits = logits[:, :-1].float().contiguous()  # [B, T-1, V/tp]; the CE kernel views it 2-D
-    next_logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits, next_ids)  # [B, T-1]
+    batch, seq_len = token_ids.shape
+    next_ids = token_ids[:, 1:].reshape(-1)  # [B*(T-1)]: the token each position predicts
+    # Read in fp32 whatever the model's dtype.
+    flat = logits[:, :-1].float().reshape(batch * (seq_len - 1), -1)  # [B*(T-1), V/tp]
+    next_logprobs = _VocabParallelLogprob.apply(flat, next_ids, tp_group).view(batch, seq_len - 1)
     first = torch.zeros_like(next_logprobs[:, :1])  # [B, 1]
     return torch.cat([first, next_logprobs], dim=1)  # [B, T]
 
@@ -33,11 +69,12 @@ def forward_logprobs(model: torch.nn.Module, token_ids: torch.Tensor,
     """Run the model on token_ids # [B, T] and return their per-token log-probs # [B, T].
 
     Passes an explicit causal mask and position ids (Megatron's defaults are built on "cuda").
-    Differentiable; wrap in `torch.no_grad()` for the reference or old-policy recomputation.
+    The TP group is the model's own (`GPTModel.pg_collection.tp`). Differentiable; wrap in
+    `torch.no_grad()` for the reference or old-policy recomputation.
     """
     batch, seq_len = token_ids.shape
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=token_ids.device)[None].expand(batch, seq_len)
     mask = causal_attention_mask(seq_len, device=token_ids.device)  # [1, 1, T, T]
     logits = model(token_ids, position_ids, mask)  # [B, T, V/tp]
-    return logprobs_from_logits(logits, token_ids)
+    return logprobs_from_logits(logits, token_ids, unwrap_model(model).pg_collection.tp)

@@ -36,11 +36,12 @@ def test_blocks_positions_and_leftover_units():
 def test_group_specs_of_a_small_layout():
     names = [(s.name, s.ranks) for s in GroupLayout(5, 2).group_specs()]
     assert names == [("self/0", (0,)), ("self/1", (1,)), ("self/2", (2,)), ("self/3", (3,)), ("self/4", (4,)),
-                     ("tp/0", (0, 1)), ("tp/1", (2, 3)), ("dp/2/0", (0, 2)), ("dp/2/1", (1, 3))]
+                     ("tp/0", (0, 1)), ("tp/1", (2, 3)), ("dp/2/0", (0, 2)), ("dp/2/1", (1, 3)),
+                     ("actors/2", (0, 1, 2, 3))]
 
 
-@pytest.mark.parametrize("world,tp,count", [(1, 1, 1), (8, 1, 15), (8, 2, 18), (64, 1, 127), (64, 2, 158),
-                                            (64, 8, 128), (65, 8, 129)])
+@pytest.mark.parametrize("world,tp,count", [(1, 1, 1), (8, 1, 15), (8, 2, 21), (64, 1, 127), (64, 2, 189),
+                                            (64, 8, 135), (65, 8, 136)])
 def test_group_count_grows_linearly_with_the_rank_count(world, tp, count):
     layout = GroupLayout(world, tp)
     assert layout.num_groups == len(layout.group_specs()) == count
@@ -53,14 +54,15 @@ def test_every_configuration_finds_its_groups(layout):
     specs = {s.ranks for s in layout.group_specs()}
     assert len(specs) == layout.num_groups  # member sets are unique
     for k in range(1, layout.num_blocks + 1):
+        assert layout.actor_ranks(k) in specs
         for j in range(layout.tp_size):
             assert layout.dp_ranks(k, j) in specs
     for rank in range(layout.world_size):
         assert layout.home_tp_ranks(rank) in specs and (rank,) in specs
         mine = layout.groups_of(rank)
         assert all(rank in s.ranks for s in mine)
-        # A rank joins its own groups only: about W/tp of them, not W.
-        assert len(mine) <= 2 + max(layout.num_blocks - 1, 0)
+        # A rank joins its own groups only: about 2 W/tp of them, not W.
+        assert len(mine) <= 2 + 2 * max(layout.num_blocks - 1, 0)
 
 
 def test_only_prefixes_of_whole_blocks_are_actor_configurations():
@@ -101,6 +103,7 @@ def test_registry_builds_each_rank_its_groups_and_collections_need_none_after():
     reg = registries[2]  # block 1, TP position 0
     assert reg.tp_group.size() == 2 and reg.self_group.size() == 1
     assert reg.dp_group(3).size() == 3 and reg.dp_group(2).size() == 2 and reg.dp_group(2).rank() == 1
+    assert reg.actors_group(2).size() == 4 and reg.actors_group(2).rank() == 2
     with pytest.raises(ValueError, match="not an actor"):
         reg.dp_group(1)
     with pytest.raises(KeyError, match="never made it"):
