@@ -15,10 +15,10 @@ distributed optimizer) that is all a trainer configuration needs. With B = W // 
     (+ the default group over all W ranks, made by init_process_group)
 
 A role change picks the `ProcessGroupCollection` of the new k (`GroupRegistry.actor_groups`);
-it never creates a group. Groups are created with `use_local_synchronization=True` (only the
-members of a group call `new_group` for it), each rank walking the same global order, which
-cannot deadlock: the first group in that order not yet complete has all its members waiting on
-it. Gloo groups connect their members eagerly (a full mesh per group), NCCL groups on first use.
+it never creates a group. Every rank calls `new_group` for every group of the layout in one
+global order (torch names groups by a per-process counter, so all ranks must count alike); a
+non-member returns at once, the members of a group connect to each other. Gloo groups connect
+eagerly (a full mesh per group), NCCL groups on first use.
 
 A consequence of the prefix rule: the ERS planner must add actor capacity at block k (the lowest
 block above the actors) and release the highest actor block; a reference can sit anywhere else.
@@ -146,8 +146,9 @@ class GroupLayout:
 
 # ---- creating the groups -------------------------------------------------------------------
 
-GroupFactory = Callable[[GroupSpec], dist.ProcessGroup]
-"""Creates one group this rank belongs to (called by members only, in the global order)."""
+GroupFactory = Callable[[GroupSpec], "dist.ProcessGroup | None"]
+"""Called by every rank for every group, in the global order; returns the group on its members
+and None elsewhere."""
 
 
 def new_group_factory(backend: str | None = None, timeout_s: float | None = None) -> GroupFactory:
@@ -156,9 +157,9 @@ def new_group_factory(backend: str | None = None, timeout_s: float | None = None
 
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
 
-    def create(spec: GroupSpec) -> dist.ProcessGroup:
-        return dist.new_group(list(spec.ranks), timeout=timeout, backend=backend,
-                              use_local_synchronization=True, group_desc=spec.name)
+    def create(spec: GroupSpec) -> dist.ProcessGroup | None:
+        group = dist.new_group(list(spec.ranks), timeout=timeout, backend=backend, group_desc=spec.name)
+        return group if dist.get_rank() in spec.ranks else None
 
     return create
 
@@ -178,10 +179,15 @@ class GroupRegistry:
 
     @classmethod
     def build(cls, layout: GroupLayout, rank: int, factory: GroupFactory | None = None) -> "GroupRegistry":
-        """Create every group `rank` belongs to. Every rank of the job must call this."""
+        """Create the layout's groups, keeping those `rank` belongs to. Every rank of the job
+        must call this."""
         factory = factory or new_group_factory()
         started = time.perf_counter()
-        groups = {spec.ranks: factory(spec) for spec in layout.groups_of(rank)}
+        groups = {}
+        for spec in layout.group_specs():
+            group = factory(spec)
+            if rank in spec.ranks:
+                groups[spec.ranks] = group
         return cls(layout, rank, groups, time.perf_counter() - started)
 
     def group(self, ranks: Sequence[int]) -> dist.ProcessGroup:

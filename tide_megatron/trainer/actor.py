@@ -106,6 +106,9 @@ class MegatronActor:
         # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
         if hf_checkpoint_dir is not None:
             load_hf_into_megatron(model, hf_checkpoint_dir, model_cfg)
+        # Token mean over the step across DP ranks: the schedule all-reduces the token count and
+        # divides by it, so DDP must not also scale by 1/DP (it reads this flag when built).
+        model.config.calculate_per_token_loss = True
         distributed = trainer_cfg.distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
@@ -127,7 +130,6 @@ class MegatronActor:
                 [self.model], pg_collection=groups, use_gloo_process_groups=False)
         # Megatron's schedule reads these hooks from the model config.
         config = model.config
-        config.calculate_per_token_loss = True  # token mean over the step, across DP
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss

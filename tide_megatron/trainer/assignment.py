@@ -1,6 +1,6 @@
 """Who does what in one trainer configuration, and what changes between two (pure Python).
 
-`TrainerAssignment` turns a role plan (rank -> Role, the RA2P mode) into the trainer's view:
+`TrainerAssignment` turns a role plan (rank -> Role) into the trainer's view:
 how many actor blocks (the DP size), each actor rank's DP rank, which reference rank streams
 which actor rank its log-probs, and the micro-batch split by the current DP size.
 `plan_transition` compares two assignments at the post-update boundary and tells every rank
@@ -30,18 +30,18 @@ class TrainerAssignment:
     actor_blocks: int
     """k: the actor ranks are the first k TP blocks; k is the DP size."""
     ref_ranks: tuple[int, ...] = ()
-    """Dedicated reference ranks (decoupled mode); each unit's ranks listed in full."""
-    colocated: bool = True
-    """Colocated RA2P: actors also hold the reference (no dedicated reference ranks)."""
+    """Dedicated reference ranks (decoupled steps); each unit's ranks listed in full."""
+    actors_hold_ref: bool = True
+    """Actors also hold the reference (ACTOR_REF, colocated steps). ERS plans have either this
+    or dedicated reference ranks; a static partition with a reference rank may keep both and
+    choose the RA2P mode per step."""
 
     def __post_init__(self) -> None:
         layout = self.layout
         actors = set(layout.actor_ranks(self.actor_blocks))
         refs = set(self.ref_ranks)
-        if self.colocated and refs:
-            raise ValueError("colocated mode has no dedicated reference ranks")
-        if not self.colocated and not refs:
-            raise ValueError("decoupled mode needs at least one reference rank")
+        if not self.actors_hold_ref and not refs:
+            raise ValueError("the reference must live somewhere: actors_hold_ref or at least one reference rank")
         if actors & refs:
             raise ValueError(f"ranks {sorted(actors & refs)} are both actor and reference")
         for rank in refs:
@@ -58,8 +58,31 @@ class TrainerAssignment:
         kinds = {roles[r] for r in actors}
         if len(kinds) > 1:
             raise ValueError("actor ranks mix ACTOR and ACTOR_REF: one RA2P mode per step")
-        colocated = Role.ACTOR_REF in kinds
-        return cls(layout, layout.actor_blocks_of(actors), refs, colocated=colocated)
+        return cls(layout, layout.actor_blocks_of(actors), refs, actors_hold_ref=Role.ACTOR_REF in kinds)
+
+    @classmethod
+    def at_startup(cls, layout: GroupLayout, trainer_ranks: Sequence[int], ref_ranks: Sequence[int]
+                   ) -> "TrainerAssignment":
+        """A job's first configuration (`comm.topology.Topology`): the actors also hold the
+        reference, so a step may run colocated or, with reference ranks, decoupled."""
+        return cls(layout, layout.actor_blocks_of(trainer_ranks), tuple(ref_ranks), actors_hold_ref=True)
+
+    def to_message(self) -> dict:
+        """The payload of the "roles" control message (the layout is known to every rank)."""
+        return {"actor_blocks": self.actor_blocks, "ref_ranks": list(self.ref_ranks),
+                "actors_hold_ref": self.actors_hold_ref}
+
+    @classmethod
+    def from_message(cls, layout: GroupLayout, payload: Mapping) -> "TrainerAssignment":
+        return cls(layout, int(payload["actor_blocks"]), tuple(int(r) for r in payload["ref_ranks"]),
+                   actors_hold_ref=bool(payload["actors_hold_ref"]))
+
+    @property
+    def modes(self) -> frozenset[str]:
+        """RA2P modes a step may run in: "colocated" needs actors holding the reference,
+        "decoupled" reference ranks."""
+        return frozenset({"colocated"} if self.actors_hold_ref else set()) | (
+            frozenset({"decoupled"}) if self.ref_ranks else frozenset())
 
     # ---- actors ------------------------------------------------------------------------
 
@@ -85,7 +108,7 @@ class TrainerAssignment:
 
     def role_of(self, rank: int) -> Role:
         if rank in self.actor_ranks:
-            return Role.ACTOR_REF if self.colocated else Role.ACTOR
+            return Role.ACTOR_REF if self.actors_hold_ref else Role.ACTOR
         return Role.REF if rank in self.ref_ranks else Role.ROLLOUT
 
     # ---- decoupled routing ---------------------------------------------------------------
@@ -100,7 +123,7 @@ class TrainerAssignment:
         """The reference unit serving actor DP rank `dp_rank`."""
         units = self.ref_units
         if not units:
-            raise ValueError("colocated mode has no reference ranks")
+            raise ValueError("no reference ranks: only colocated steps")
         return units[dp_rank % len(units)]
 
     def ref_source(self, actor_rank: int) -> int:

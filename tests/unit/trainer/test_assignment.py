@@ -18,7 +18,8 @@ A, AR, REF, RO = Role.ACTOR, Role.ACTOR_REF, Role.REF, Role.ROLLOUT
 def test_from_roles_tp2_dp2_with_a_tp1_reference():
     layout = GroupLayout(5, 2)
     a = TrainerAssignment.from_roles(layout, {0: A, 1: A, 2: A, 3: A, 4: REF})
-    assert a.dp_size == 2 and not a.colocated and a.ref_ranks == (4,)
+    assert a.dp_size == 2 and not a.actors_hold_ref and a.ref_ranks == (4,) and a.modes == {"decoupled"}
+    assert TrainerAssignment.from_message(layout, a.to_message()) == a
     assert [a.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert a.dp_members(1) == (2, 3)
     # One TP=1 reference rank sends to every TP rank of both actor blocks.
@@ -41,7 +42,7 @@ def test_tp2_reference_units_split_the_positions_and_the_dp_ranks():
     ({0: A, 1: AR, 2: RO}, "mix ACTOR and ACTOR_REF"),
     ({0: A, 1: RO, 2: A, 3: RO}, "not the first k TP blocks"),
     ({0: A, 1: A, 2: REF, 3: RO}, "whole TP group"),
-    ({0: A, 1: A, 2: RO, 3: RO}, "needs at least one reference"),
+    ({0: A, 1: A, 2: RO, 3: RO}, "must live somewhere"),
 ])
 def test_plans_the_groups_cannot_serve_are_refused(roles, match):
     with pytest.raises(ValueError, match=match):
@@ -56,6 +57,11 @@ def test_split_by_dp_covers_the_batch_once_and_balances_counts(items, dp):
     assert sorted(x for s in shards for x in s) == sorted(items)
     sizes = [len(s) for s in shards]
     assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_static_partition_may_keep_the_reference_on_actors_and_a_reference_rank():
+    a = TrainerAssignment(GroupLayout(3, 1), 2, ref_ranks=(2,))
+    assert a.modes == {"colocated", "decoupled"} and a.role_of(0) is AR and a.role_of(2) is REF
 
 
 def test_dp_4_to_2_to_4():
@@ -76,7 +82,7 @@ def test_dp_4_to_2_to_4():
 def test_colocated_to_decoupled_turns_the_last_actor_block_into_the_reference():
     layout = GroupLayout(6, 2)
     old = TrainerAssignment(layout, 3)
-    new = TrainerAssignment(layout, 2, ref_ranks=(4, 5), colocated=False)
+    new = TrainerAssignment(layout, 2, ref_ranks=(4, 5), actors_hold_ref=False)
     t = plan_transition(old, new)
     assert (t[4].actor, t[4].ref, t[4].new_role) == ("leave", "keep", REF)
     assert (t[0].actor, t[0].ref, t[0].new_role) == ("keep", "release", A)

@@ -74,7 +74,9 @@ def test_only_prefixes_of_whole_blocks_are_actor_configurations():
 
 
 def _store_factory(store: dist.Store, rank: int):
-    def create(spec: GroupSpec) -> dist.ProcessGroup:
+    def create(spec: GroupSpec) -> dist.ProcessGroup | None:
+        if rank not in spec.ranks:
+            return None
         name = "/".join(map(str, spec.ranks))
         return dist.ProcessGroupGloo(dist.PrefixStore(name, store), spec.ranks.index(rank), len(spec.ranks),
                                      timedelta(seconds=30))

@@ -38,6 +38,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
+import torch
 
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult, _device
 from tide_megatron.trainer.batch import MicroBatch
@@ -136,16 +137,31 @@ class ColocatedExecutor:
         device = _device()
         need_ref = self.actor.cfg.kl_coef != 0.0
         processed: collections.deque[MicroBatch] = collections.deque()
+        pending: list[MicroBatch] = []  # taken from the source, left for the next round
         while True:
             if not processed:
                 # Everything ready now (at least one: blocks for an arrival), up to the limit.
-                batch = [mb.to(device) for mb in source.take_ready(limit)]  # one device copy
-                if not batch:
+                candidates = pending or source.take_ready(limit)
+                if not candidates:
                     return
+                n = self._agree_round_size(len(candidates)) if limit > 1 else 1
+                batch = [mb.to(device) for mb in candidates[:n]]  # one device copy
+                pending = candidates[n:]
                 if need_ref:
                     timer.exclude(self._ref_round(batch, report))
                 processed.extend(batch)
             yield processed.popleft()
+
+    def _agree_round_size(self, ready: int) -> int:
+        """The TP ranks of an actor run the Ref and Actor passes together, so a round must hold
+        the same micro-batches on each: the fewest any of them has ready (they all receive the
+        same micro-batches in the same order, only at different times)."""
+        tp = self.actor.groups.tp
+        if tp.size() == 1:
+            return ready
+        count = torch.tensor([ready], dtype=torch.int64, device=_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=tp)
+        return int(count.item())
 
     def run_step(self, micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> tuple[StepResult, StepReport]:
         """One optimizer step over the step's micro-batches (this rank's DP shard)."""
