@@ -1,5 +1,8 @@
-# The two commands of the README. Both install what they need into .venv first.
-PY := .venv/bin/python
+# The two commands of the README. Both install what they need into the venv first
+# ($(TIDE_VENV), .venv by default; CI points it at a fresh temporary folder).
+TIDE_VENV ?= .venv
+export TIDE_VENV
+PY := $(TIDE_VENV)/bin/python
 export OMP_NUM_THREADS := 1
 
 .PHONY: setup tiny test test-fast

@@ -6,8 +6,8 @@ BPE tokenizer; sized so that prefill recomputation costs real time, see SETUP_RA
 wait for their env between turns; each engine's KV pool holds well under the working set.
 The same tasks (same seed) run twice on the same engines (cache flushed in between):
   vanilla: every task dispatched at once, whole context resent each turn (request level);
-  ctb:     CTBDispatcher (token-aware admission, pausing, resumption, sessions) + the
-           `tide_ctb` SGLang plugin in each scheduler.
+  ctb:     CTBDispatcher with the in-process carrier (token-aware admission, pausing,
+           resumption, sessions) + the `tide_ctb` SGLang plugin in each scheduler.
 Hit rate = sum(cached_tokens) / sum(prompt_tokens) over all turns; the ideal re-uses every
 token of a task's earlier turns (all but each turn's new observation) and, for every member of
 a GRPO group after the first, the group's shared prompt.
@@ -24,14 +24,12 @@ ample pool (own process); the modes then run in --pairs pairs of alternating ord
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ctb_kv.json")
+import bench_record
 
 
 def ideal_cached(token_ids: list[int], loss_mask: list[int]) -> tuple[int, int]:
@@ -60,7 +58,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def summarize(name: str, trajectories: list, wall_s: float, dispatcher) -> dict:
-    prompt = sum(t.prompt_tokens for t in trajectories)
+    prompt = sum(t.engine_prompt_tokens for t in trajectories)  # context the engine needed over all turns
     cached = sum(t.cached_tokens for t in trajectories)
     generated = sum(t.generated_tokens for t in trajectories)
     ideal_c = ideal_ctx = 0
@@ -101,8 +99,8 @@ class Timeline:
     Per task (monotonic clock), between its runner's start and its end:
       admission_wait  from the rollout's start until the dispatcher first made it runnable;
       env             waiting for the env (reset before turn 1, step after every turn);
-      paused_wait     ready for its next turn (env answered) but not runnable: paused by CTB,
-                      or placed but waiting for a request slot;
+      paused_wait     ready for its next turn (env answered) but not runnable: paused by CTB
+                      (or resumed while its pause's session release was still under way);
       session_overhead  runnable, before/after the generate call (lock, session open/close);
       generate        inside the engine's generate call: SGLang queueing + prefill + decode,
                       batched with other requests.
@@ -300,7 +298,7 @@ def main() -> None:
     from tide_megatron.envs.server_process import EnvServerProcess
     from tide_megatron.models.config import ModelConfig
     from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
-    from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig, CTBDispatcher
+    from tide_megatron.rollout.ctb_config import CTBDispatchConfig
     from tide_megatron.rollout.ctb_rollout import LocalCTBRollout
     from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
     from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
@@ -321,7 +319,7 @@ def main() -> None:
                                               step_median_s=args.step_median_s))
     runner_cfg = TaskRunnerConfig(max_turns=args.max_turns, max_context_tokens=768,
                                   max_new_tokens=args.max_new_tokens, temperature=1.0)
-    # Each open session holds a request slot, so slots exceed the resident-task bound.
+    # Each open session holds a request row, and a turn needs one free: rows exceed the resident cap.
     slots = max(64, args.resident * 2)
     ample = args.ample_kv_tokens or -(-args.tasks // args.engines) * runner_cfg.max_context_tokens
     sizing = None
@@ -366,20 +364,24 @@ def main() -> None:
                            for i, s in enumerate(specs) for j in range(args.group)]
             for e in engines.values():
                 await e.flush_cache()
+            # The pool must hold what pausing allows (budget x hard_water; the dispatcher checks it).
+            # Vanilla runs (the sizing run among them, before the budget is known) use no budget.
+            fraction = budget_fraction if enabled else 1.0
+            hard_water = min(CTBConfig().hard_water, 1.0 / fraction)
             cfg = CTBDispatchConfig(
-                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=budget_fraction,
-                task_max_turns=args.max_turns,
+                enabled=enabled, max_resident_tasks_per_rank=args.resident, kv_budget_fraction=fraction,
                 turn_reserve_tokens=args.max_new_tokens + 48,
                 policy=CTBConfig(probe_turn_reserve_tokens=args.max_new_tokens + 48, staleness_throttle=False,
-                                 context_norm_tokens=runner_cfg.max_context_tokens))
-            dispatcher = CTBDispatcher(cfg, dict(engines))
+                                 context_norm_tokens=runner_cfg.max_context_tokens, task_max_turns=args.max_turns,
+                                 hard_water=hard_water))
             runner = TimedRunner(runner_cfg, dict(engines), chat, client, use_sessions=enabled)
+            rollout = LocalCTBRollout(cfg, runner)
             TimedRunner.timeline = timeline = Timeline(sorted(engines))
             t0 = time.monotonic()
-            trajectories = await LocalCTBRollout(dispatcher, runner).run(assignments, prompt_tokens=120)
+            trajectories = await rollout.run(assignments, prompt_tokens=120)
             wall = time.monotonic() - t0
             await client.close()
-            res = summarize("ctb" if enabled else "vanilla", trajectories, wall, dispatcher)
+            res = summarize("ctb" if enabled else "vanilla", trajectories, wall, rollout.dispatcher)
             res["time_breakdown"] = timeline.summary(wall, prefill_ms_per_token)
             return res
 
@@ -460,9 +462,7 @@ def main() -> None:
         print(f"{label:24}{v[key]:>12.3f}{c[key]:>12.3f}{ratio:>14.2f}")
     print(f"CTB hit rate / ideal: {ratios['ctb_hit_vs_ideal']:.3f}  (paper: 1.58x hit rate, 1.15x throughput)")
     record = {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **bench_record.header(),
         "settings": vars(args),
         "engine_startup_s": startup_s,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads, "ffn": 4 * args.hidden,
@@ -473,7 +473,8 @@ def main() -> None:
                        "rank_budget_tokens": int(args.kv_tokens * budget_fraction),
                        "principle": "headroom = resident x max_new_tokens: the most tokens the resident tasks can "
                                     "generate before their footprints are reported (each turn's observation is "
-                                    "reported when the turn starts); low_water 0.85 (hysteresis) unchanged"},
+                                    "reported when the turn starts); low_water 0.85 (hysteresis) unchanged; "
+                                    "hard_water capped at 1 / kv_budget_fraction so the pool holds what pausing allows"},
         "previous_ctb": previous and {"kv_budget_fraction": 0.8, **{k: previous["ctb"][k] for k in (
             "hit_rate", "ideal_hit_rate", "gen_tokens_per_s", "step_duration_s", "pauses", "time_breakdown")},
             "vanilla_same_run": {k: previous["vanilla"][k] for k in (
@@ -483,10 +484,7 @@ def main() -> None:
         "vanilla_ctb_of_first_pair": "the vanilla and ctb records (with time_breakdown) are the first pair's",
     }
     if not args.no_write:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
-            json.dump(record, f, indent=1)
-        print(f"wrote {RESULTS}")
+        bench_record.write("ctb_kv", record)
 
 
 if __name__ == "__main__":

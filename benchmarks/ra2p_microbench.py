@@ -247,24 +247,19 @@ def main() -> None:
             "one machine, log-probs streamed over a gloo group; it uses twice the cores/GPUs of the others.",
             "Swaps: Actor params + DDP grad buffer, Ref params (optimizer state stays resident). On CPU a swap "
             "is a copy into a separate host buffer, free, re-allocate and copy back (real memcpy cost).",
-            "GPU figures (--device cuda --model-size 1.5b --mb-tokens 8192: pinned host buffers, side-stream "
-            "copies, CUDA-synchronised timings) are pending: not run yet.",
-        ] + _device_notes(args),
+            ("CUDA run: pinned host buffers, side-stream copies, CUDA-synchronised timings. With one GPU, DM's "
+             "Ref and Actor processes share it (two CUDA contexts on one device), so DM's overlap is bounded "
+             "by one device's compute, unlike the paper's separate GPUs."
+             if args.device == "cuda" and torch.cuda.device_count() < 2 else
+             "CUDA run: pinned host buffers, side-stream copies, CUDA-synchronised timings; DM on two GPUs."
+             if args.device == "cuda" else
+             "GPU figures: see ra2p_microbench_cuda.json (--device cuda --model-size 1.5b --mb-tokens 8192)."),
+        ],
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2, default=str)
     print(f"wrote {args.out}")
-
-
-def _device_notes(args) -> list[str]:
-    """What the JSON must say about how DM's two processes were placed on the devices."""
-    if args.device != "cuda" or "DM" not in args.methods.split(","):
-        return []
-    if torch.cuda.device_count() == 1:
-        return ["DM on one CUDA device: its Ref and Actor processes share GPU 0 (two CUDA contexts, "
-                "kernels time-sliced), so DM had one GPU like the other methods, not two."]
-    return ["DM: Ref process on GPU 0, Actor process on GPU 1 (two GPUs where the others use one)."]
 
 
 def _param_count(kw: dict) -> int:

@@ -9,6 +9,7 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
 
@@ -22,16 +23,26 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    from tide_megatron.job import Job
+    from tide_megatron.utils import console
 
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
-    job = Job(to_job_config(cfg))
+    job_cfg = to_job_config(cfg)
+    log_dir = os.path.join(job_cfg.run.output_dir, "logs")
+    console.setup(rank, log_dir, verbose=job_cfg.run.verbose)
     try:
-        job.run()
-    finally:
-        job.close()
+        from tide_megatron.job import Job
+
+        job = Job(job_cfg)
+        try:
+            job.run()
+        finally:
+            job.close()
+    except Exception as exc:
+        logging.getLogger("launch.train").exception("rank %d failed", rank)
+        console.report_failure(rank, log_dir, exc)
+        if job_cfg.run.verbose:
+            raise
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ HOOKED_SIGNATURES: dict[str, str] = {
 """Every SGLang function the plugin hooks, with its signature in the pinned version."""
 
 _ATTRIBUTES_READ = (f"{_POLICY}.AddReqResult.CONTINUE",
+                    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.available_size",
                     "sglang.srt.mem_cache.base_prefix_cache.InsertParams",
                     "sglang.srt.mem_cache.radix_cache.RadixKey.page_aligned",
                     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert",

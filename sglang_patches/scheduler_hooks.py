@@ -244,6 +244,10 @@ def _kv_state(tree_cache: Any) -> dict[str, int]:
         out["kv_total"] = int(getattr(allocator, "size", 0) or getattr(allocator, "size_full", 0))
         out["kv_evictable"] = int(tree_cache.evictable_size())
         out["kv_protected"] = int(tree_cache.protected_size())
+        # Request rows (req_to_token_pool): each open streaming session holds one between turns.
+        rows = tree_cache.req_to_token_pool
+        out["rows_free"] = int(rows.available_size())
+        out["rows_total"] = int(rows.size)
     except Exception as exc:  # a report without KV numbers beats a crashed scheduler
         out["kv_error"] = f"{type(exc).__name__}: {exc}"
     return out

@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
-from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig
+from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resources
 from tide_megatron.rollout.engine import RolloutEngineConfig
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 from tide_megatron.trainer.config import TrainerConfig
 
 SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")
-IMPLEMENTED_MODES = ("sync", "tide")
 RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
 
 
@@ -41,6 +40,9 @@ class RunConfig:
     """Continue from the latest checkpoint under `output_dir/checkpoints` (an error if none)."""
     resume_from: str = ""
     """Continue from this checkpoint directory instead (an error if it does not exist)."""
+    verbose: bool = False
+    """Show library logs (Megatron, SGLang, warnings) and every rank's output on the console.
+    Off: they go to `output_dir/logs/rank<N>.log` and the console shows progress and a summary."""
 
 
 @dataclass
@@ -93,9 +95,11 @@ class SchedulerConfig:
     """What is rolled out and when it is trained on."""
 
     mode: str = "sync"
-    """`sync`: roll out a global batch, train, push weights. `tide`: rollout never stops;
-    each step streams ready groups into the trainer with the RA2P mode chosen from RAS and
-    TPRM, within the staleness bound. `async_static` and `stream` run in the simulator."""
+    """`sync`: roll out a global batch, train, push weights (the VeRL-like baseline).
+    `async_static`: rollout never stops on its fixed ranks, the trainer takes whole global
+    batches (AReaL-like). `stream`: like async_static, but micro-batches are trained as they
+    arrive with a Ref/Actor swap each (StreamRL-like). `tide`: streaming with CTB and RA2P's
+    colocated/decoupled choice from RAS and TPRM. See `controller/modes.py`."""
     groups_per_step: int = 4
     """GRPO groups in one global batch."""
     group_size: int = 4
@@ -105,9 +109,21 @@ class SchedulerConfig:
     max_tasks_per_rank: int = 16
     """Concurrent tasks on one rollout rank (each holds a session and a request slot)."""
     max_task_retries: int = 1
-    """A failed trajectory is re-run this many times before the run stops with its error."""
-    stall_timeout_s: float = 1800.0
-    """The run stops with an error when no trajectory finishes for this long (a hung rank)."""
+    """A failed trajectory is re-run this many times; past that its whole GRPO group is given up
+    (its tokens booked as failed; a partial group is never trained on) and another starts."""
+    max_failed_groups: int = 8
+    """The run stops when this many groups in a row fail past their retries (a systemic fault:
+    the env, the engine or the model is broken, not one task)."""
+    stall_timeout_s: float = 0.0
+    """The run stops when no token is generated, no env step answered and no task finishes for
+    this long while work is outstanding. 0: 3 x (env call + connect timeout) + 60 s, a bound
+    that scales with the env's own timeouts."""
+    heartbeat_interval_s: float = 2.0
+    """How often each rollout rank reports its health and its own token counts."""
+    heartbeat_timeout_s: float = 60.0
+    """A rollout rank silent this long (no heartbeat, no message) is treated as dead."""
+    ready_timeout_s: float = 600.0
+    """How long rank 0 waits for every rollout rank's engine to start."""
     eval_every: int = 0
     """`tide` mode: evaluate the model of every N-th step on eval tasks that run during the
     next step, ahead of training tasks; their metrics are gathered before that step's weight
@@ -201,14 +217,17 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         )
     if cfg.ra2p.executor not in RA2P_EXECUTORS:
         raise ValueError(f"ra2p.executor={cfg.ra2p.executor!r}: expected one of {RA2P_EXECUTORS}")
-    if cfg.cluster.ref_ranks and cfg.scheduler.mode == "sync":
-        raise ValueError("cluster.ref_ranks > 0 needs scheduler.mode=tide (sync colocates the reference)")
+    if cfg.cluster.ref_ranks and cfg.scheduler.mode != "tide":
+        raise ValueError(f"cluster.ref_ranks > 0 needs scheduler.mode=tide ({cfg.scheduler.mode} colocates the reference)")
     if trainers % cfg.trainer.tp_size:
         raise ValueError(f"{trainers} trainer ranks do not divide by trainer.tp_size={cfg.trainer.tp_size}")
     if cfg.scheduler.group_size < 2:
         raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
     if cfg.run.steps < 1:
         raise ValueError("run.steps must be >= 1")
+    if cfg.scheduler.mode == "tide":
+        check_ctb_resources(cfg.ctb, max_running_requests=cfg.rollout.engine.max_running_requests,
+                            max_total_tokens=cfg.rollout.engine.max_total_tokens)
     if cfg.envs.train_env not in {e.key for e in cfg.envs.server.envs} and not cfg.envs.external:
         raise ValueError(
             f"envs.train_env={cfg.envs.train_env!r} is not served; envs.server.envs offers "
@@ -218,19 +237,16 @@ def validate(cfg: JobConfig, world_size: int) -> None:
 
 def check_runnable(cfg: JobConfig, world_size: int) -> None:
     """What the real system cannot run yet, said before any process group is made."""
-    if cfg.scheduler.mode not in IMPLEMENTED_MODES:
+    actors = world_size - cfg.cluster.rollout_ranks - cfg.cluster.ref_ranks
+    if actors > 1 and cfg.scheduler.mode != "sync":
         raise ValueError(
-            f"scheduler.mode={cfg.scheduler.mode!r} is not available in the real system yet "
-            f"(available: {IMPLEMENTED_MODES}); launch/simulate.py runs every mode"
-        )
-    if cfg.scheduler.mode == "tide":
-        actors = world_size - cfg.cluster.rollout_ranks - cfg.cluster.ref_ranks
-        if actors != 1 or cfg.trainer.tp_size != 1 or cfg.cluster.ref_ranks > 1:
-            raise ValueError(
-                f"scheduler.mode=tide runs one actor rank with trainer.tp_size=1 and at most one "
-                f"reference rank in this version; got {actors} actor ranks, trainer.tp_size="
-                f"{cfg.trainer.tp_size}, cluster.ref_ranks={cfg.cluster.ref_ranks}")
-        if cfg.trainer.kl_coef == 0.0:
-            raise ValueError("scheduler.mode=tide pipelines the reference model: set trainer.kl_coef > 0")
-        if cfg.ra2p.executor == "decoupled" and not cfg.cluster.ref_ranks:
-            raise ValueError("ra2p.executor=decoupled needs cluster.ref_ranks=1")
+            f"scheduler.mode={cfg.scheduler.mode} runs one actor rank in this version (sync runs several); "
+            f"got {actors} actor ranks (world size {world_size} - cluster.rollout_ranks - cluster.ref_ranks)")
+    if cfg.scheduler.mode != "sync" and (cfg.trainer.tp_size != 1 or cfg.cluster.ref_ranks > 1):
+        raise ValueError(f"scheduler.mode={cfg.scheduler.mode} runs trainer.tp_size=1 with at most one reference "
+                         f"rank in this version; got trainer.tp_size={cfg.trainer.tp_size}, "
+                         f"cluster.ref_ranks={cfg.cluster.ref_ranks}")
+    if cfg.scheduler.mode in ("stream", "tide") and cfg.trainer.kl_coef == 0.0:
+        raise ValueError(f"scheduler.mode={cfg.scheduler.mode} pipelines the reference model: set trainer.kl_coef > 0")
+    if cfg.ra2p.executor == "decoupled" and not cfg.cluster.ref_ranks:
+        raise ValueError("ra2p.executor=decoupled needs cluster.ref_ranks=1")

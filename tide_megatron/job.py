@@ -18,6 +18,7 @@ from typing import Any
 from tide_megatron.config import JobConfig, check_runnable, validate
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology, close_topology, init_topology
+from tide_megatron.utils.console import say
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,24 @@ class Job:
         self.model_path = self._shared(_MODEL_KEY)
         self.env_host, env_port = self._shared(_ENV_KEY).rsplit(":", 1)
         self.env_port = int(env_port)
+        if self.topo.is_controller:
+            self._say_starting()
+
+    def _say_starting(self) -> None:
+        cfg, topo = self.cfg, self.topo
+        roles = ", ".join(f"{name} {ranks[0]}" if len(ranks) == 1 else f"{name} {ranks[0]}-{ranks[-1]}"
+                          for name, ranks in (("actor", topo.trainer_ranks), ("reference", topo.ref_ranks),
+                                              ("rollout", topo.rollout_ranks)) if ranks)
+        say(f"tide-megatron: run {cfg.run.name!r}, scheduler.mode={cfg.scheduler.mode}, {topo.world_size} ranks "
+            f"({roles}; rank 0 also runs the controller)")
+        model = self.model_path if cfg.model.path else f"random {cfg.model.random_init.num_layers}-layer " \
+            f"h{cfg.model.random_init.hidden_size} model written to {self.model_path}"
+        say(f"model: {model}")
+        where = "external" if cfg.envs.external else \
+            f"started by this run, log {os.path.join(cfg.run.output_dir, 'env_server.log')}"
+        say(f"env server: {cfg.envs.train_env} at {self.env_host}:{self.env_port} ({where})")
+        if not cfg.run.verbose:
+            say(f"library logs: {os.path.join(cfg.run.output_dir, 'logs')} (run.verbose=true shows them here)")
 
     # -- start-up -------------------------------------------------------------------
     def _setup_rank0(self) -> None:
@@ -151,8 +170,7 @@ class Job:
         if not self.topo.is_controller:
             trainer.serve(self.mailbox)
             return
-        from tide_megatron.controller.controller import Controller
-        from tide_megatron.controller.streaming import StreamingController
+        from tide_megatron.controller.loop import Controller
         from tide_megatron.utils.metrics import MetricsLogger
 
         metrics = MetricsLogger(run.output_dir, run.steps, start_step, jsonl=self.cfg.metrics.jsonl,
@@ -160,32 +178,37 @@ class Job:
         self._closers.append(metrics)
         if start_step:
             metrics.write(f"resumed from step {start_step}")
-        if self.cfg.scheduler.mode == "tide":
-            eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
-            controller = StreamingController(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(),
-                                             start_step, eval_tasks=eval_tasks)
-        else:
-            controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step)
+        eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
+        controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step,
+                                eval_tasks=eval_tasks)
         try:
             controller.run()
         except BaseException:
             controller.shutdown()  # let the other ranks exit instead of waiting forever
             raise
+        lines = metrics.summary(self.checkpoint_root)
+        metrics.close()  # the progress bar ends before the summary
+        for line in lines:
+            say(line)
 
     def _run_rollout(self) -> None:
         from tide_megatron.envs.client import EnvClient
         from tide_megatron.rollout.engine import RolloutEngine
-        from tide_megatron.rollout.task_runner import TaskRunner
         from tide_megatron.rollout.worker import RolloutWorker, build_chat
 
         cfg = self.cfg
         engine_cfg = dataclasses.replace(cfg.rollout.engine, seed=cfg.run.seed + self.topo.rank)
-        engine = RolloutEngine(engine_cfg, self.model_path)
-        self._closers.append(engine)
+
+        def new_engine() -> RolloutEngine:
+            return RolloutEngine(engine_cfg, self.model_path)
+
         client = EnvClient(self._client_config())
-        runner = TaskRunner(cfg.rollout.runner, engine, build_chat(self.model_path, cfg.rollout.runner.system_prompt),
-                            client)
-        worker = RolloutWorker(self.topo.rank, engine, runner, self.mailbox, self.topo.job_group)
+        worker = RolloutWorker(self.topo.rank, new_engine(), cfg.rollout.runner,
+                               build_chat(self.model_path, cfg.rollout.runner.system_prompt), client, self.mailbox,
+                               self.topo.job_group, heartbeat_interval_s=cfg.scheduler.heartbeat_interval_s,
+                               engine_factory=new_engine)
+        self._closers.append(worker)  # shuts down whichever engine the worker runs at the end
+        engine = worker.engine
         engine.loop.run_until_complete(client.connect())
         try:
             worker.run()

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import Any, Union
+
+from tide_megatron.comm.messages import _KINDS, Message, decode
 
 CONTROLLER = 0
 
@@ -32,22 +34,33 @@ class Mailbox:
     def _count_key(self, dest: int) -> str:
         return f"{self._prefix}/{dest}/n"
 
-    def post(self, dest: int, kind: str, **payload: Any) -> None:
-        """Append a message to `dest`'s queue. Never blocks on the receiver."""
-        body = json.dumps({"kind": kind, "src": self.owner, **payload}, separators=(",", ":"))
+    def post(self, dest: int, message: Union[Message, str], **payload: Any) -> None:
+        """Append a message to `dest`'s queue. Never blocks on the receiver.
+
+        `message` is a typed `Message` (see `messages.py`), or a kind string with keyword
+        payload for the trainer's own messages."""
+        if isinstance(message, Message):
+            payload, kind = message.to_wire(), message.KIND
+        elif message in _KINDS:
+            raise TypeError(f"{message!r} is a typed message: post a {_KINDS[message].__name__} instance")
+        else:
+            kind = message
+        body = json.dumps({"kind": kind, "src": self.owner, **payload}, separators=(",", ":"), allow_nan=False)
         with self._lock:
             slot = self._store.add(self._count_key(dest), 1) - 1
             self._store.set(f"{self._prefix}/{dest}/{slot}", body)
 
-    def poll(self, limit: int = 1 << 30) -> list[dict[str, Any]]:
-        """Read the messages posted to this owner since the last poll, in order."""
+    def poll(self, limit: int = 1 << 30) -> list[Union[Message, dict[str, Any]]]:
+        """Read the messages posted to this owner since the last poll, in order: typed
+        messages for the kinds of `messages.py`, plain dicts for the others."""
         with self._lock:
             available = self._store.add(self._count_key(self.owner), 0)
             out = []
             while self._next < available and len(out) < limit:
                 key = f"{self._prefix}/{self.owner}/{self._next}"
                 # A sender has reserved the slot but may not have written it yet: get() waits.
-                out.append(json.loads(self._store.get(key)))
+                data = json.loads(self._store.get(key))
+                out.append(decode(data) if data.get("kind") in _KINDS else data)
                 self._store.delete_key(key)
                 self._next += 1
             return out

@@ -32,6 +32,7 @@ and `buffer.add_trajectory`, and `ctb.schedule(now, unconsumed_trajectories=...)
 Admit / Pause / Resume decisions to carry out.
 """
 
+from tide_megatron.core.trajectory import Segment, Trajectory
 from tide_megatron.core.buffer import (
     BufferConfig,
     CompletedGroup,
@@ -88,7 +89,7 @@ __all__ = [
     "ERSConfig", "ERSPlanner", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError", "MicroBatch",
     "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "RA2PConfig", "RA2PMode", "RankPool",
     "ReadinessEstimate", "ReadinessEstimator", "ReadinessMeter", "Requeue", "Resume", "Role", "RolePlan",
-    "RolloutTask", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
+    "RolloutTask", "Segment", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
     "TrainingBatch", "Trajectory", "break_even_ras", "choose_mode", "colocated_latency",
     "decoupled_latency", "detect_deficits", "group_advantages", "median_interval", "mode_costs",
     "plan_microbatches", "readiness_deficits", "trainer_roles_for",

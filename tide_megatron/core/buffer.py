@@ -39,6 +39,10 @@ from tide_megatron.core.signals import (
     SignalsConfig,
     StepReadiness,
 )
+from tide_megatron.core.trajectory import Segment, Trajectory
+
+__all__ = ["BufferConfig", "CompletedGroup", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
+           "Segment", "TokenLedger", "TrainingBatch", "Trajectory", "group_advantages"]
 
 
 @dataclass
@@ -73,45 +77,16 @@ class BufferConfig:
             raise ValueError("no whole number of groups lies in [b_min, b_ideal]")
 
 
-@dataclass
-class Trajectory:
-    """One finished multi-turn trajectory."""
-
-    group_id: Hashable
-    """GRPO group this trajectory belongs to."""
-    index: int
-    """Position in the group, 0..G-1."""
-    task_id: Hashable
-    """The task (prompt + environment instance) the group samples."""
-    policy_version: int
-    """Oldest policy version that generated any of its tokens."""
-    prompt_tokens: int
-    """Tokens of the initial prompt."""
-    generated_tokens: int
-    """Tokens the policy generated (actions); what goodput counts."""
-    reward: float
-    """Scalar reward computed next to the environment."""
-    started_at: float = 0.0
-    """Clock value at first admission."""
-    finished_at: float = 0.0
-    """Clock value at the final turn."""
-    is_eval: bool = False
-    """Evaluation trajectories are scored, never trained on."""
-    advantage: Optional[float] = None
-    """Group-relative advantage, set when the group completes."""
-    payload: Any = None
-    """Opaque data the real system attaches (token ids, masks, images)."""
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.generated_tokens
-
-
 class GroupFate(enum.Enum):
     """What became of a group that left the pending or ready set."""
 
     CONSUMED = "consumed"
     DROPPED_STALE = "dropped_stale"
+    """Completed, but too stale when the trainer reached it (a last resort)."""
+    CANCELLED = "cancelled"
+    """Could no longer be consumed within the staleness bound: stopped at once, tokens wasted."""
+    FAILED = "failed"
+    """A member failed past its retries; the group is never trained on partially."""
     ABANDONED = "abandoned"
     EVALUATED = "evaluated"
 
@@ -199,22 +174,35 @@ class LedgerError(RuntimeError):
 
 @dataclass
 class TokenLedger:
-    """Where every generated token is. `generated` always equals the sum of the buckets."""
+    """Where every generated token is.
+
+    Each bucket is moved by the component that knows what happened to the tokens: the buffer
+    (ready, consumed, dropped as stale, cancelled, evaluated), the dispatcher (failed and
+    cancelled task attempts), and the reconciliation with the rollout ranks' own counts
+    (`lose`): tokens a rank says it generated, and no longer runs, that never reached the
+    controller are lost. So `lost > 0` is the ledger failing: a task or a message vanished.
+    """
 
     generated: int = 0
-    """All tokens generated so far."""
+    """All tokens booked so far (the sum of the buckets below)."""
     in_flight: int = 0
-    """Generated, in a trajectory or group that has not completed."""
+    """In a trajectory that finished while its group has not completed."""
     ready: int = 0
     """In a completed group waiting in the buffer."""
     consumed: int = 0
     """Handed to the trainer (goodput numerator)."""
     dropped_stale: int = 0
-    """Discarded because the staleness bound was exceeded."""
+    """Completed, then discarded because the staleness bound was exceeded before training."""
+    cancelled: int = 0
+    """Of groups cancelled because they could no longer be consumed in time (wasted)."""
+    failed: int = 0
+    """Of task attempts that failed (the task was retried or its group given up)."""
     lost: int = 0
-    """Discarded for non-staleness reasons (aborted trajectory, abandoned group, failure)."""
+    """Generated on a rollout rank but never booked here (a vanished task or message)."""
     evaluated: int = 0
     """Belonging to evaluation groups: scored, not trained on."""
+
+    BUCKETS = ("in_flight", "ready", "consumed", "dropped_stale", "cancelled", "failed", "lost", "evaluated")
 
     def _move(self, src: str, dst: str, n: int) -> None:
         if n < 0:
@@ -224,11 +212,14 @@ class TokenLedger:
         setattr(self, src, getattr(self, src) - n)
         setattr(self, dst, getattr(self, dst) + n)
 
-    def produce(self, n: int) -> None:
+    def _book(self, bucket: str, n: int) -> None:
         if n < 0:
-            raise LedgerError(f"negative production {n}")
+            raise LedgerError(f"negative booking {n} into {bucket}")
         self.generated += n
-        self.in_flight += n
+        setattr(self, bucket, getattr(self, bucket) + n)
+
+    def produce(self, n: int) -> None:
+        self._book("in_flight", n)
 
     def complete(self, n: int) -> None:
         self._move("in_flight", "ready", n)
@@ -239,15 +230,33 @@ class TokenLedger:
     def drop_stale(self, n: int, *, from_ready: bool) -> None:
         self._move("ready" if from_ready else "in_flight", "dropped_stale", n)
 
-    def lose(self, n: int) -> None:
-        self._move("in_flight", "lost", n)
+    def cancel(self, n: int, *, from_ready: bool = False) -> None:
+        self._move("ready" if from_ready else "in_flight", "cancelled", n)
+
+    def fail(self, n: int) -> None:
+        self._move("in_flight", "failed", n)
 
     def evaluate(self, n: int) -> None:
         self._move("in_flight", "evaluated", n)
 
+    def book_attempt(self, n: int, *, fate: str) -> None:
+        """Tokens of a task attempt that ended without a trajectory (`failed` or `cancelled`)."""
+        if fate not in ("failed", "cancelled"):
+            raise LedgerError(f"unknown attempt fate {fate!r}")
+        self._book(fate, n)
+
+    def lose(self, n: int) -> None:
+        """Tokens a rollout rank generated that no booking here accounts for."""
+        self._book("lost", n)
+
+    @property
+    def wasted(self) -> int:
+        """Generated for training, then thrown away: dropped as stale, cancelled, failed, lost."""
+        return self.dropped_stale + self.cancelled + self.failed + self.lost
+
     @property
     def balanced(self) -> bool:
-        buckets = (self.in_flight, self.ready, self.consumed, self.dropped_stale, self.lost, self.evaluated)
+        buckets = [getattr(self, b) for b in self.BUCKETS]
         return min(buckets) >= 0 and self.generated == sum(buckets)
 
 
@@ -262,6 +271,7 @@ class _PendingGroup:
     recorded_tokens: dict[int, int] = field(default_factory=dict)
     """Tokens already put in the ledger for each trajectory index (live progress reports)."""
     oldest_version: Optional[int] = None
+    admitted_version: Optional[int] = None
 
     def note_version(self, version: int) -> None:
         self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
@@ -294,13 +304,19 @@ class GlobalBuffer:
 
     # ------------------------------------------------------------------ producer side
     def open_group(self, group_id: Hashable, task_id: Hashable, now: float, *,
-                   size: Optional[int] = None, is_eval: bool = False) -> None:
-        """Declare a group before its trajectories run (idempotent for the same group)."""
+                   size: Optional[int] = None, is_eval: bool = False,
+                   admitted_version: Optional[int] = None) -> None:
+        """Declare a group before its trajectories run (idempotent for the same group).
+
+        `admitted_version`: the policy version the group is admitted under; its staleness is
+        then judged from admission (a group that cannot make it is doomed before it finishes).
+        """
         if group_id in self._pending:
             return
         if group_id in self._completed_ids or group_id in self.records:
             raise ValueError(f"group {group_id!r} already completed or recorded")
-        self._pending[group_id] = _PendingGroup(group_id, task_id, size or self.config.group_size, now, is_eval)
+        self._pending[group_id] = _PendingGroup(group_id, task_id, size or self.config.group_size, now, is_eval,
+                                                oldest_version=admitted_version, admitted_version=admitted_version)
 
     def record_tokens(self, group_id: Hashable, index: int, tokens: int,
                       policy_version: Optional[int] = None) -> None:
@@ -367,34 +383,64 @@ class GlobalBuffer:
         return done
 
     def abort_trajectory(self, group_id: Hashable, index: int) -> int:
-        """A running trajectory was discarded (to be retried from scratch); returns tokens lost."""
+        """A running trajectory was discarded (to be retried from scratch); its live-reported
+        tokens are booked as failed. Returns them."""
         group = self._require_pending(group_id)
         if index in group.done:
             raise ValueError(f"trajectory {index} of group {group_id!r} already finished")
-        lost = group.recorded_tokens.pop(index, 0)
-        self.ledger.lose(lost)
-        return lost
+        tokens = group.recorded_tokens.pop(index, 0)
+        self.ledger.fail(tokens)
+        return tokens
+
+    def cancel_group(self, group_id: Hashable, now: float, consumer_version: int = -1) -> int:
+        """Stop a pending group that can no longer be consumed within the bound; its tokens are
+        wasted (`ledger.cancelled`). Returns them. Running members are the caller's to stop."""
+        return self._end_pending(group_id, now, GroupFate.CANCELLED, consumer_version)
+
+    def fail_group(self, group_id: Hashable, now: float) -> int:
+        """Give up on a pending group whose member failed past its retries: a partial group is
+        never trained on. Its tokens are booked as failed; returns them."""
+        return self._end_pending(group_id, now, GroupFate.FAILED, -1)
 
     def abandon_group(self, group_id: Hashable, now: float, *, stale: bool = False,
                       consumer_version: int = -1) -> int:
-        """Give up on a pending group (e.g. hopelessly stale); its tokens are recorded, not lost silently."""
+        """Give up on a pending group: cancelled when `stale`, else failed (see those methods)."""
+        if stale:
+            return self.cancel_group(group_id, now, consumer_version)
+        return self.fail_group(group_id, now)
+
+    def _end_pending(self, group_id: Hashable, now: float, fate: GroupFate, consumer_version: int) -> int:
         group = self._require_pending(group_id)
         del self._pending[group_id]
         tokens = group.in_flight_tokens
-        if stale:
-            self.ledger.drop_stale(tokens, from_ready=False)
+        if fate is GroupFate.CANCELLED:
+            self.ledger.cancel(tokens)
         else:
-            self.ledger.lose(tokens)
+            self.ledger.fail(tokens)
         self.records[group_id] = GroupRecord(
-            group_id, group.task_id, GroupFate.DROPPED_STALE if stale else GroupFate.ABANDONED,
-            group.oldest_version if group.oldest_version is not None else -1, consumer_version,
-            len(group.done), tokens, None, now)
+            group_id, group.task_id, fate, group.oldest_version if group.oldest_version is not None else -1,
+            consumer_version, len(group.done), tokens, None, now)
         return tokens
 
     def doomed_groups(self, consumer_version: int) -> list[Hashable]:
-        """Pending groups that can no longer be fresh for `consumer_version` (CTB may cancel them)."""
+        """Pending groups that can no longer be fresh for `consumer_version` (to cancel at once).
+
+        A group opened with its admission version is judged from the moment it is admitted;
+        otherwise from its oldest finished trajectory."""
         return [gid for gid, g in self._pending.items()
                 if g.oldest_version is not None and not self.is_fresh(g.oldest_version, consumer_version)]
+
+    def note_admitted(self, group_id: Hashable, version: int) -> None:
+        """The group's first task starts running under `version`: its staleness is judged from
+        here (a group queued behind others is not charged for the wait)."""
+        group = self._require_pending(group_id)
+        if group.admitted_version is None:
+            group.admitted_version = version
+            group.note_version(version)
+
+    def group_version(self, group_id: Hashable) -> Optional[int]:
+        """Oldest policy version known for a pending group (its admission version if given)."""
+        return self._require_pending(group_id).oldest_version
 
     # ------------------------------------------------------------------ consumer side
     def is_fresh(self, version: int, consumer_version: int) -> bool:
@@ -409,17 +455,43 @@ class GlobalBuffer:
             dropped.append(self._record(grp, GroupFate.DROPPED_STALE, consumer_version, now))
         return dropped
 
-    def fetch(self, consumer_version: int, now: float, max_trajectories: int) -> list[CompletedGroup]:
-        """Take whole fresh groups, oldest first, up to `max_trajectories` (streaming fetch)."""
+    def _by_deadline(self) -> list[tuple[Hashable, CompletedGroup]]:
+        """Ready groups, earliest staleness deadline (oldest policy version) first, then in
+        completion order: a group closer to its bound is consumed before it goes stale."""
+        return sorted(self._ready.items(), key=lambda kv: kv[1].policy_version)  # stable: FIFO among equals
+
+    def last_chance_reserve(self, consumer_version: int) -> int:
+        """Trajectories of pending training groups whose last chance to be fresh is this consumer.
+
+        A group admitted at version a may train consumers up to a + max_staleness. If younger
+        groups that happen to finish first filled the step, the older group would be doomed:
+        its work wasted though it was admitted within the bound. So a step keeps room for these
+        groups and waits for them (the trainer's wait, instead of rollout's waste)."""
+        bound = self.config.max_staleness
+        return sum(g.size for g in self._pending.values()
+                   if not g.is_eval and g.oldest_version is not None and consumer_version - g.oldest_version == bound)
+
+    def fetch(self, consumer_version: int, now: float, max_trajectories: int,
+              max_groups: Optional[int] = None) -> list[CompletedGroup]:
+        """Take whole fresh groups, earliest deadline first, up to `max_trajectories` (and
+        `max_groups`), leaving room for groups whose last chance this consumer is (streaming fetch)."""
         self.drop_stale(consumer_version, now)
+        reserve = self.last_chance_reserve(consumer_version)
         taken: list[CompletedGroup] = []
         count = 0
-        for gid, grp in list(self._ready.items()):
-            if count + len(grp) > max_trajectories:
-                break  # strict FIFO: skipping ahead would let the head-of-line group age
+        for gid, grp in self._by_deadline():
+            room = 0 if consumer_version - grp.policy_version == self.config.max_staleness else reserve
+            if count + len(grp) + room > max_trajectories or (max_groups is not None and len(taken) >= max_groups):
+                break  # in order: skipping ahead would let the head group age
             taken.append(self._consume(gid, consumer_version, now))
             count += len(grp)
         return taken
+
+    def fetchable_trajectories(self, consumer_version: int) -> int:
+        """Ready trajectories a fetch for `consumer_version` may take now (fresh ones, minus the
+        room kept for last-chance groups still running)."""
+        fresh = sum(len(g) for g in self._ready.values() if self.is_fresh(g.policy_version, consumer_version))
+        return max(fresh - self.last_chance_reserve(consumer_version), 0) if fresh else 0
 
     def fetch_batch(self, consumer_version: int, now: float) -> Optional[TrainingBatch]:
         """The elastic batch: None until B_min trajectories are ready, else up to B_ideal.
@@ -439,10 +511,12 @@ class GlobalBuffer:
             self._retention_fetches_left = 0
             retaining = False
         remaining_tokens = self.ready_tokens()
+        reserve = self.last_chance_reserve(consumer_version)
         chosen: list[Hashable] = []
         count = 0
-        for gid, grp in self._ready.items():
-            if count + len(grp) > cfg.b_ideal:
+        for gid, grp in self._by_deadline():
+            room = 0 if consumer_version - grp.policy_version == cfg.max_staleness else reserve
+            if count + len(grp) + room > cfg.b_ideal:
                 break
             if retaining and count >= cfg.b_min and remaining_tokens - grp.total_tokens < reservoir:
                 break
@@ -460,7 +534,7 @@ class GlobalBuffer:
 
     def _head_tokens(self, max_trajectories: int) -> int:
         tokens = count = 0
-        for grp in self._ready.values():
+        for _, grp in self._by_deadline():
             if count + len(grp) > max_trajectories:
                 break
             tokens += grp.total_tokens
@@ -529,6 +603,9 @@ class GlobalBuffer:
     def ready_tokens(self) -> int:
         """Prompt + generated tokens ready for the trainer (its work, the unit of RAS)."""
         return sum(g.total_tokens for g in self._ready.values())
+
+    def is_pending(self, group_id: Hashable) -> bool:
+        return group_id in self._pending
 
     def pending_group_ids(self) -> list[Hashable]:
         return list(self._pending)

@@ -8,13 +8,20 @@ Built-in envs (registered by name, configured by `EnvConfig`):
 - `door_game`: a small deterministic multi-turn game a tiny random-init model learns with
   GRPO on CPU in minutes (random valid policy ~0.20 mean return, perfect policy 1.0).
 - `textworld`: procedurally generated TextWorld games, offline, generated lazily and cached.
+- `gui_desktop`: an offline GUI desktop drawn with Pillow (Settings, Notes, Files), screenshot
+  observations (224x160 PNG by default) and an optional accessibility tree, text actions
+  (`click x,y`, `type "text"`, `key NAME`, `done`), tasks of 1-3 actions checked on the
+  desktop's state, a shaped reward; a tiny VL model learns it on CPU.
+- `osworld`: an adapter to OSWorld's VM servers (screenshot, accessibility tree, /execute
+  of pyautogui code); each session leases one VM; see `osworld.py`.
 - any env with `EnvConfig.latency.enabled`: heavy-tailed emulated latency and per-task extra
   turns, deterministic under a seed, emulating remote environments.
 
-Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult), `wire` (message format),
-`config` (typed configs), `server` (EnvServer), `server_process` (EnvServerProcess, the
-embedded server as a subprocess), `client` (EnvClient), `errors`, `registry`, `latency`,
-`door_game`, `textworld_env`.
+Modules: `protocol` (Env, TaskSpec, ResetResult, StepResult, ImageRef), `wire` (message
+format), `config` and `env_config` (typed configs), `server` (EnvServer), `server_process`
+(EnvServerProcess, the embedded server as a subprocess), `client` (EnvClient), `errors`,
+`registry`, `latency`, `images` (image validation), `image_store`, `door_game`,
+`textworld_env`, `gui_desktop` (with `gui_screen` and `gui_actions`), `osworld`.
 
 Plugging in a remote benchmark env server (WebShop, ALFWorld, OSWorld, ScienceBoard)
 ---------------------------------------------------------------------------------------
@@ -31,17 +38,39 @@ protocol. A benchmark plugs in by standing up a server that speaks it, next to t
    goal success, OSWorld's evaluator result) with `done`. Set `blocking = True` when calls
    block (a browser, a VM): they then run on the server's worker threads.
 2. `register_env("webshop", factory)` in a small module named in `EnvServerConfig.plugins`
-   (the server imports it first), and run `python -m tide_megatron.envs.server --config-json
-   '{"host": "<env host address>", "allow_remote": true, "plugins": ["my_bench.tide_env"],
-   "envs": [{"name": "webshop"}]}'` on each env host. Or, for a benchmark that already
-   has its own server in another language, answer the seven ops of `wire.py` directly: the
-   client checks every field, so a conforming server needs no Python from this package.
-3. Point the recipe's env client at the fleet (`EnvClientConfig.host/port`), give
-   `call_timeout_s` room for the slowest real step, and size CTB's env concurrency to the
-   servers' `max_sessions` (the `stats` op reports live sessions).
+   (the server imports it first), and run, on each env host,
+   `TIDE_ENV_TOKEN=<shared secret> python -m tide_megatron.envs.server --config-json
+   '{"host": "<env host address>", "plugins": ["my_bench.tide_env"], "envs": [{"name": "webshop"}]}'`
+   (a non-loopback address requires the shared token; clients present it in `hello`). Or,
+   for a benchmark that already has its own server in another language, answer the ops of
+   `wire.py` directly: the client checks every field, so a conforming server needs no
+   Python from this package.
+3. Point the recipe's env client at the fleet (`EnvClientConfig.host/port`, the same token in
+   TIDE_ENV_TOKEN), give `call_timeout_s` room for the slowest real step, and size CTB's env
+   concurrency to the servers' `max_sessions` (the `stats` op reports live sessions).
 
-Multi-modal observations (OSWorld screenshots) travel as base64 strings in `info` under a
-key the task runner's processor understands; `max_message_bytes` bounds a line on both ends.
+Server limits and security
+--------------------------
+The server binds loopback by default; another address requires a shared token of at least 16
+characters (`EnvServerConfig.auth_token`, or TIDE_ENV_TOKEN), which authenticates but does not
+encrypt. Sessions belong to the connection that opened them, under unguessable ids. Every
+limit is a documented field of `EnvServerLimits` (connections, sessions per connection, calls
+in flight per connection, request and reply bytes, JSON nesting and number size, read, idle
+and write timeouts, tasks page size); blocking work runs on worker threads that connections
+share in turn. NaN or infinite rewards are refused by the server and by the client, naming
+the env and the task. The client reconnects with exponential backoff; sessions of a lost
+connection are lost (`EnvSessionLost`). `EnvServerProcess.restart()` and its supervisor
+restart an embedded server that died, on the same address.
+
+Image observations (screenshots)
+--------------------------------
+An env returns PNG/JPEG bytes in a result's `image_data`. The server validates them
+(`images.py`: magic bytes, completeness, decoded size within `ImageLimits`, max bytes),
+writes them to its node-local image store (`image_store.py`, /dev/shm by default) and replies
+with `ImageRef`s (id, path, format, width, height, sha256) in `images`; the client reads each
+back (the file on the same node, the `image` call elsewhere), validates it again and fills
+`image_data`. A bad image raises `EnvImageError`, naming the env and the task: a task failure
+to retry. Text observations are unchanged.
 """
 
 from tide_megatron.envs.client import EnvClient
@@ -50,19 +79,26 @@ from tide_megatron.envs.config import (
     EnvClientConfig,
     EnvConfig,
     EnvServerConfig,
+    EnvServerLimits,
     EnvServerProcessConfig,
+    GuiDesktopConfig,
+    ImageLimits,
     LatencyConfig,
+    OSWorldConfig,
     TextWorldConfig,
 )
-from tide_megatron.envs.errors import EnvError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvTimeout
-from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
+from tide_megatron.envs.errors import (
+    EnvError, EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvSessionLost, EnvTimeout,
+)
+from tide_megatron.envs.protocol import Env, ImageRef, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.registry import build_env, register_env, registered_envs
 from tide_megatron.envs.server import EnvServer
 from tide_megatron.envs.server_process import EnvServerProcess
 
 __all__ = [
-    "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvProtocolError",
-    "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerProcess", "EnvServerProcessConfig",
-    "EnvTimeout", "LatencyConfig", "ResetResult", "StepResult", "TaskSpec", "TextWorldConfig", "build_env",
-    "register_env", "registered_envs",
+    "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvImageError",
+    "EnvProtocolError", "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerLimits",
+    "EnvServerProcess", "EnvServerProcessConfig", "EnvSessionLost", "EnvTimeout", "GuiDesktopConfig", "ImageLimits",
+    "ImageRef", "LatencyConfig", "OSWorldConfig", "ResetResult", "StepResult", "TaskSpec", "TextWorldConfig",
+    "build_env", "register_env", "registered_envs",
 ]

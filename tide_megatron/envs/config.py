@@ -1,172 +1,120 @@
-"""Typed configs of the environments, the env server and its client.
+"""Typed configs of the env server, its client and the embedded server process.
 
 Plain dataclasses (Hydra registers them in its ConfigStore; the library only ever sees these
-objects). Every field carries an attribute docstring. `config_from_dict` rebuilds a config
-from JSON-able data, which is how the server subprocess receives its config on the command line.
+objects). Every field carries an attribute docstring. The per-env configs live in
+`env_config.py` and are re-exported here, so this module is the one import for every env
+config. `config_from_dict` rebuilds a config from JSON-able data, which is how the server
+subprocess receives its config on the command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tide_megatron.envs.env_config import (
+    DoorGameConfig, EnvConfig, GuiDesktopConfig, LatencyConfig, OSWorldConfig, TextWorldConfig, default_cache_dir,
+)
+
+__all__ = [
+    "DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerLimits", "EnvServerProcessConfig",
+    "GuiDesktopConfig", "ImageLimits", "LatencyConfig", "OSWorldConfig", "TOKEN_ENV_VAR", "TextWorldConfig",
+    "config_from_dict", "config_to_dict", "default_cache_dir",
+]
+
 T = TypeVar("T")
 
 
-def default_cache_dir() -> str:
-    """Where generated games are cached: $TIDE_CACHE_DIR, else ~/.cache/tide_megatron."""
-    root = os.environ.get("TIDE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tide_megatron")
-    return os.path.join(root, "envs")
-
-
 @dataclass
-class DoorGameConfig:
-    """The learnable door game (`door_game`): pick the right door from a clue, room after room."""
+class ImageLimits:
+    """What an image observation (a screenshot) may be. Checked by the env server before it
+    stores an env's image, and again by the client when it reads one back.
 
-    num_doors: int = 5
-    """Doors per room (2..6). The chance that a uniformly random door is right is 1/num_doors."""
-
-    min_rooms: int = 2
-    """Fewest rooms in a task. One room is one turn when the agent answers right."""
-
-    max_rooms: int = 3
-    """Most rooms in a task; each task draws its room count from [min_rooms, max_rooms]."""
-
-    extra_attempts: int = 1
-    """Wrong answers allowed over the whole episode beyond one per room. A wrong answer keeps
-    the agent in the room, so turn counts vary with how well the policy plays."""
-
-    indirect_clue_prob: float = 0.5
-    """Chance that a room's clue names the door indirectly ("the colour of the sky") instead of
-    directly ("the blue door"); indirect clues make it a lookup rather than a copy."""
-
-    near_miss_credit: float = 0.2
-    """Partial credit, at most this much of a room's share, for the unsolved room at the end,
-    scaled by the character-bigram similarity of the best attempt to the right door. It gives a
-    policy that emits no valid door yet (a random-init model) a reward signal that varies."""
-
-    num_train_tasks: int = 10_000
-    """Size of the train task pool (task ids `door_game/train/<i>`)."""
-
-    num_eval_tasks: int = 200
-    """Size of the held-out eval pool (task ids `door_game/eval/<i>`)."""
-
-
-@dataclass
-class TextWorldConfig:
-    """Procedurally generated TextWorld games (`textworld`), generated lazily and cached on disk."""
-
-    cache_dir: str = ""
-    """Directory for compiled games; empty means `default_cache_dir()/textworld`."""
-
-    min_rooms: int = 1
-    """Fewest rooms of a generated world."""
-
-    max_rooms: int = 3
-    """Most rooms of a generated world."""
-
-    num_objects: int = 4
-    """Objects placed in a world besides the quest's."""
-
-    min_quest_length: int = 1
-    """Shortest winning policy, in commands."""
-
-    max_quest_length: int = 3
-    """Longest winning policy, in commands; the task type records the quest length."""
-
-    max_steps: int = 20
-    """Steps before the episode is cut off (done with `info["truncated"] = True`)."""
-
-    include_admissible_commands: bool = True
-    """Put the admissible commands into every observation's info (and into the text when
-    `list_commands_in_text`). Keeps the action space small for tiny models."""
-
-    list_commands_in_text: bool = False
-    """Also append the admissible commands to the observation text."""
-
-    num_train_tasks: int = 1000
-    """Size of the train task pool (each a distinct generation seed)."""
-
-    num_eval_tasks: int = 50
-    """Size of the eval task pool."""
-
-
-@dataclass
-class LatencyConfig:
-    """Emulated remote-environment latency and turn-count variation, deterministic under `seed`.
-
-    Wraps any env. Step delays are lognormal around a per-task median (some tasks are
-    systematically slower), with rare very slow steps; each task may also inject "retry"
-    turns in which the remote env reports that the action was not applied.
+    Defaults: a 4K screen (3840x2160) is the largest common desktop; 4096 a side and 4096x2304
+    pixels admit it with a margin. Its raw RGB is 24.9 MB and a desktop screenshot's PNG
+    compresses at least 3x, so 16 MiB bounds any real screenshot while refusing absurd ones.
     """
 
-    enabled: bool = False
-    """Wrap the env with the latency model."""
+    formats: list[str] = field(default_factory=lambda: ["png", "jpeg"])
+    """Accepted formats (of `png`, `jpeg`), recognised by magic bytes, never by a name."""
 
-    seed: int = 0
-    """Seed of every draw; the same (seed, task, trajectory, turn) always gives the same delay."""
+    max_bytes: int = 16 * 1024 * 1024
+    """Largest encoded image, in bytes."""
 
-    reset_median_s: float = 0.2
-    """Median delay of a reset (environment start-up)."""
+    max_width: int = 4096
+    """Widest decoded image, in pixels."""
 
-    step_median_s: float = 0.05
-    """Median delay of a step for a task of average speed."""
+    max_height: int = 4096
+    """Tallest decoded image, in pixels."""
 
-    step_sigma: float = 0.5
-    """Shape of the lognormal step delay (standard deviation of its log)."""
+    max_pixels: int = 4096 * 2304
+    """Most decoded pixels (width x height), checked from the header before any pixel is
+    decoded, so a decompression bomb is refused without being expanded."""
 
-    task_speed_sigma: float = 0.5
-    """Spread (log standard deviation) of the per-task speed multiplier."""
 
-    slow_step_prob: float = 0.01
-    """Chance that a step is a very slow one (a remote stall)."""
-
-    slow_step_factor: float = 20.0
-    """How much slower a slow step is than its ordinary draw."""
-
-    max_delay_s: float = 30.0
-    """Upper bound of any one delay."""
-
-    extra_turns_mean: float = 0.0
-    """Mean number of injected retry turns per task (Poisson); 0 keeps turn counts as the env's."""
-
-    max_extra_turns: int = 4
-    """Most injected retry turns per task."""
-
-    extra_turns_within: int = 3
-    """Injected turns fall before one of the first this-many real steps of a trajectory."""
-
-    time_scale: float = 1.0
-    """Multiplier of every delay (0 turns waiting off while keeping the recorded draws)."""
+TOKEN_ENV_VAR = "TIDE_ENV_TOKEN"
+"""Environment variable holding the shared token when the config's `auth_token` is empty
+(keeps the token out of config files and command lines)."""
 
 
 @dataclass
-class EnvConfig:
-    """One environment served by the env server: which built-in env, its options, its latency."""
+class EnvServerLimits:
+    """What one client can take from the env server. Defaults are sized from the workloads:
+    a rollout rank holds one connection with at most `max_tasks_per_rank` live tasks (16 to 32
+    in the recipes), one call in flight per task; actions are at most a few thousand tokens."""
 
-    name: str = "door_game"
-    """Registered env name (`door_game`, `textworld`, or one added with `register_env`)."""
+    max_connections: int = 256
+    """Open connections at most (one per rollout rank and a few tools). A connection past the
+    cap gets one `ServerBusy` error line and is closed; the cap also keeps file descriptors
+    below the process limit (checked, and raised to the hard limit if need be, at start)."""
 
-    served_name: str = ""
-    """Name clients use to reach it; empty means `name`. Lets one server offer the same env
-    twice, e.g. `door_game` and a slow `door_game_remote` with latency on."""
+    max_sessions_per_connection: int = 256
+    """Live sessions one connection may hold: 8x the largest recipe's tasks per rank, and a
+    sixteenth of the default `max_sessions`, so no one client can take every session."""
 
-    door_game: DoorGameConfig = field(default_factory=DoorGameConfig)
-    """Options of `door_game`."""
+    max_inflight_per_connection: int = 64
+    """Calls of one connection being served at once; past it the server stops reading that
+    connection (TCP backpressure) until one finishes, so a pipelining client queues at home."""
 
-    textworld: TextWorldConfig = field(default_factory=TextWorldConfig)
-    """Options of `textworld`."""
+    max_request_bytes: int = 1024 * 1024
+    """Longest request line. A 4,096-token action is about 16 KB of text and at most 6x that
+    once JSON-escaped; 1 MiB leaves a wide margin. A longer line is answered `TooLarge` and
+    skipped, the connection goes on."""
 
-    latency: LatencyConfig = field(default_factory=LatencyConfig)
-    """Emulated latency and extra turns (off by default)."""
+    max_reply_bytes: int = 24 * 1024 * 1024
+    """Longest reply line; a larger result is answered `TooLarge`. Fits an `image` reply of an
+    image at `ImageLimits.max_bytes` (16 MiB) in base64 (4/3 of it)."""
 
-    @property
-    def key(self) -> str:
-        return self.served_name or self.name
+    max_json_depth: int = 32
+    """Deepest nesting of a request (ours nest 3-6 deep); deeper is answered `BadRequest`."""
+
+    max_number_digits: int = 32
+    """Longest number in a request, in characters (an int64 has 20, a double's repr 24)."""
+
+    read_timeout_s: float = 30.0
+    """A request line must arrive whole within this of its first byte (1 MiB at a slow
+    1 Mbit/s takes 8 s); a half-sent one past it closes the connection."""
+
+    idle_timeout_s: float = 120.0
+    """A connection with no session, no call in flight and no byte for this long is closed
+    (the client reconnects on its next call). Connections holding sessions are never idled
+    out; their sessions are, after `session_idle_timeout_s`."""
+
+    write_timeout_s: float = 60.0
+    """A reply must drain to the client within this; a client that stops reading is dropped."""
+
+    max_tasks_page: int = 1000
+    """Most tasks in one `tasks` reply."""
+
+    max_page_bytes: int = 1024 * 1024
+    """Most bytes of tasks in one `tasks` reply; a page ends before it would pass this."""
+
+    log_interval_s: float = 10.0
+    """Repeated warnings (accept errors, refused connections, timeouts, bad tokens) are logged
+    at most once per this interval each, with a count of those suppressed."""
 
 
 @dataclass
@@ -174,14 +122,15 @@ class EnvServerConfig:
     """The env server process."""
 
     host: str = "127.0.0.1"
-    """Address to bind. Loopback by default; anything else needs `allow_remote`."""
+    """Address to bind. Loopback by default; any other address requires `auth_token`."""
 
     port: int = 0
     """TCP port; 0 lets the OS pick a free one (the server reports it when ready)."""
 
-    allow_remote: bool = False
-    """Allow binding a non-loopback address. The protocol has no authentication: only turn
-    this on inside a trusted network (an env fleet next to the trainer)."""
+    auth_token: str = ""
+    """Shared secret a client must present (`hello`) before any other call; empty: none, or
+    the `TIDE_ENV_TOKEN` environment variable when set. Required off loopback; at least 16
+    characters. It authenticates, it does not encrypt: keep the fleet on a trusted network."""
 
     envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
     """The environments this server offers, by `EnvConfig.key`."""
@@ -197,10 +146,24 @@ class EnvServerConfig:
     """A session that sees no call for this long is closed (its client is presumed gone)."""
 
     num_workers: int = 4
-    """Threads for envs whose calls block (TextWorld); pure-Python envs run on the event loop."""
+    """Threads for blocking work: envs whose calls block (TextWorld, gui_desktop, osworld),
+    image checks, task lists, long requests and large replies. Connections take turns on them."""
 
-    max_message_bytes: int = 16 * 1024 * 1024
-    """Longest accepted request or response line, in bytes."""
+    limits: EnvServerLimits = field(default_factory=EnvServerLimits)
+    """Per-connection and per-message limits."""
+
+    images: ImageLimits = field(default_factory=ImageLimits)
+    """What an env's image observation may be; a bad one fails the call with `BadImage`."""
+
+    image_store_dir: str = ""
+    """Directory under which the server keeps image observations (a private subdirectory per
+    server, removed at stop). Empty: /dev/shm when it is writable (memory, no disk I/O), else
+    the system temp directory. It must be node-local and readable by the clients on the node."""
+
+    images_kept_per_session: int = 4
+    """Newest images kept per session; older ones are deleted as new ones arrive, and all of a
+    session's images when it closes. The client reads an observation's images as soon as the
+    reply arrives, so a few suffice; this bounds the store at sessions x this x max_bytes."""
 
 
 @dataclass
@@ -224,8 +187,36 @@ class EnvClientConfig:
     """Time allowed for a reset; 0 means `call_timeout_s`. Resets of generated games (TextWorld's
     first use of a seed compiles a game) take seconds."""
 
-    max_message_bytes: int = 16 * 1024 * 1024
-    """Longest accepted response line, in bytes."""
+    max_message_bytes: int = 32 * 1024 * 1024
+    """Longest accepted response line, in bytes (at least the server's `max_reply_bytes`)."""
+
+    auth_token: str = ""
+    """The server's shared token, sent in `hello` on every new connection; empty: the
+    `TIDE_ENV_TOKEN` environment variable when set, else none."""
+
+    max_retries: int = 5
+    """Reconnection attempts, after the first try, of a call that lost its connection or could
+    not open one (reset, tasks, ping, envs, stats; a step's session dies with its connection,
+    so a step is never retried). With the default backoff they span about 10 to 16 s."""
+
+    backoff_initial_s: float = 0.5
+    """Wait before the first reconnection attempt; it doubles per attempt, times a random
+    factor in [0.5, 1] so that many rollout ranks do not reconnect in lockstep."""
+
+    backoff_max_s: float = 10.0
+    """Longest wait between two attempts."""
+
+    resolve_images: bool = True
+    """Read and validate every image of a reset or step result before returning it, filling
+    the result's `image_data`. Off: only the references (`images`) are returned."""
+
+    image_transport: str = "auto"
+    """How images are read: `file` from the server's node-local store (same node only),
+    `wire` through the server's `image` call (any node), `auto` the file when it is readable
+    here, else the wire."""
+
+    images: ImageLimits = field(default_factory=ImageLimits)
+    """What an image read back may be; a bad one raises `EnvImageError`."""
 
 
 @dataclass
@@ -240,6 +231,14 @@ class EnvServerProcessConfig:
 
     log_path: str = ""
     """File for the server's stderr; empty sends it to this process's stderr."""
+
+    supervise_interval_s: float = 5.0
+    """How often a supervisor thread checks that the server still runs and restarts it on the
+    same address if not; 0: no thread (the launcher may call `ensure_running()` itself)."""
+
+    max_restarts: int = 5
+    """Restarts allowed in the process's life; a server that dies more often needs a person,
+    so supervision then stops and the next env calls fail with `EnvServerDown`."""
 
 
 def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tide_megatron.envs.config import DoorGameConfig, EnvConfig
 from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
-from tide_megatron.envs.task_ids import SPLITS, make_task_id, parse_task_id, stable_seed
+from tide_megatron.envs.task_ids import parse_task_id, pool_task_ids, stable_seed
 
 COLOURS = ("red", "blue", "green", "gold", "white", "black")
 
@@ -126,10 +126,8 @@ class DoorGameEnv(Env):
         self._done = True
 
     def list_tasks(self, split: str) -> list[TaskSpec]:
-        size = {"train": self._cfg.num_train_tasks, "eval": self._cfg.num_eval_tasks}.get(split)
-        if size is None:
-            raise KeyError(f"unknown split {split!r}; splits are {SPLITS}")
-        return [self.task(make_task_id(split, i)) for i in range(size)]
+        pools = {"train": self._cfg.num_train_tasks, "eval": self._cfg.num_eval_tasks}
+        return [self.task(t) for t in pool_task_ids(split, pools)]
 
     def task(self, task_id: str) -> TaskSpec:
         return build_door_task(self._cfg, self._key, task_id).spec

@@ -19,6 +19,12 @@ class EnvServerDown(EnvError):
     Sessions on that server are to be presumed lost; re-run the task."""
 
 
+class EnvSessionLost(EnvServerDown):
+    """The session's connection dropped (the server died, restarted, or cut the connection),
+    and the session with it: the episode cannot go on. The client reconnects by itself for
+    the next reset; the task is to be re-run."""
+
+
 class EnvTimeout(EnvError):
     """The call did not complete within its timeout. The session may still be live server-side
     (the env was merely slow); the caller decides whether to retry, close or abandon it."""
@@ -41,3 +47,15 @@ class EnvRemoteError(EnvError):
         self.kind = kind
         self.message = message
         super().__init__(address, call, f"{kind}: {message}")
+
+
+class EnvImageError(EnvError):
+    """An image observation that cannot be used: the env produced a bad image (the server
+    refused it), or what the client read back is missing, truncated, not the referenced
+    image, or outside the image limits. The episode cannot go on with a lost observation, so
+    the task fails; it is a task failure to retry, never a crash of the rollout."""
+
+    def __init__(self, address: str, call: str, env: str, task_id: str, detail: str):
+        self.env = env
+        self.task_id = task_id
+        super().__init__(address, call, f"bad image observation of env {env!r}, task {task_id!r}: {detail}")

@@ -15,7 +15,8 @@ designed for exactly that spread, so the tiny recipe and the learning tests need
 `LatencyEnv` wraps an env with it. It does not sleep: it records the delay in the result's
 `latency_s` and the server awaits it without holding a thread, so thousands of slow sessions
 cost nothing but timers. An injected retry turn swallows the action (the inner env never sees
-it) and asks for it again, so the inner game's rules and rewards are unchanged.
+it) and asks for it again, so the inner game's rules and rewards are unchanged; it repeats
+the last observation, screenshots included.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class LatencyEnv(Env):
         self._real_steps = 0  # steps forwarded to the inner env
         self._schedule: list[int] = []
         self._last_observation = ""
+        self._last_images: list[bytes] = []
 
     def list_tasks(self, split: str) -> list[TaskSpec]:
         return self.inner.list_tasks(split)
@@ -110,6 +112,7 @@ class LatencyEnv(Env):
         self._real_steps = 0
         self._schedule = self.model.retry_schedule(task_id, trajectory_id)
         self._last_observation = result.observation
+        self._last_images = list(result.image_data)
         result.latency_s = self.model.reset_delay_s(task_id, trajectory_id)
         result.info = {**result.info, "injected_retry_turns": sum(self._schedule)}
         return result
@@ -121,10 +124,12 @@ class LatencyEnv(Env):
         if k < len(self._schedule) and self._schedule[k] > 0:
             self._schedule[k] -= 1
             text = RETRY_TEXT + "\n" + self._last_observation
-            return StepResult(observation=text, reward=0.0, done=False, info={"retry": True}, latency_s=delay)
+            return StepResult(observation=text, reward=0.0, done=False, info={"retry": True}, latency_s=delay,
+                              image_data=list(self._last_images))
         self._real_steps += 1
         result = self.inner.step(action)
         self._last_observation = result.observation
+        self._last_images = list(result.image_data)
         result.latency_s = delay
         return result
 

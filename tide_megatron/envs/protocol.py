@@ -12,15 +12,28 @@ only the trajectory id (and the actions) tell members apart.
 
 Rewards are computed by the env (next to the environment state, server-side). Each step
 returns the reward earned by that step; an episode's return is the sum, normalised by the
-built-in envs to [0, 1].
+built-in envs to [0, 1] (`gui_desktop` may go slightly below 0 through its penalties). A
+reward is always a finite number: the server and the client both refuse NaN and infinities.
+
+Image observations (screenshots) never travel inline. An env puts encoded PNG/JPEG bytes in a
+result's `image_data`; the server validates them (`images.py`), writes them to its node-local
+image store and sends `ImageRef`s in `images` instead; the client reads each reference back,
+validates it again and fills `image_data`, aligned with `images`. Text observations are
+unchanged: a text env leaves both lists empty.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+IMAGE_FORMATS = ("png", "jpeg")
+_IMAGE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,52 @@ class TaskSpec:
         )
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """Where one image observation lies in the server's image store, and what it must be."""
+
+    id: str
+    """Unguessable id within the server (`[A-Za-z0-9_-]`, at most 64 characters)."""
+
+    path: str
+    """Absolute path of the file on the server's node (readable by clients on that node)."""
+
+    format: str
+    """`png` or `jpeg`."""
+
+    width: int
+    """Decoded width in pixels."""
+
+    height: int
+    """Decoded height in pixels."""
+
+    sha256: str
+    """Hex digest of the encoded bytes; the reader checks it."""
+
+    nbytes: int
+    """Size of the encoded bytes."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ImageRef:
+        if not isinstance(data, dict):
+            raise ValueError(f"an image reference must be an object, got {data!r}")
+        ref = cls(id=_str(data, "id"), path=_str(data, "path"), format=_str(data, "format"),
+                  width=_int(data, "width"), height=_int(data, "height"), sha256=_str(data, "sha256"),
+                  nbytes=_int(data, "nbytes"))
+        if not _IMAGE_ID.fullmatch(ref.id):
+            raise ValueError(f"image id {ref.id!r} is not [A-Za-z0-9_-]{{1,64}}")
+        if ref.format not in IMAGE_FORMATS:
+            raise ValueError(f"image format {ref.format!r} is not one of {IMAGE_FORMATS}")
+        if not _SHA256.fullmatch(ref.sha256):
+            raise ValueError(f"image sha256 {ref.sha256!r} is not 64 lowercase hex digits")
+        if min(ref.width, ref.height, ref.nbytes) < 1:
+            raise ValueError(f"image {ref.id}: width, height and nbytes must be positive")
+        return ref
+
+
 @dataclass
 class ResetResult:
     """The first observation of an episode."""
@@ -69,14 +128,23 @@ class ResetResult:
     session_id: str = ""
     """Filled in by the server: the handle for `step` and `close`."""
 
+    images: list[ImageRef] = field(default_factory=list)
+    """Image observations by reference (filled by the server from `image_data`)."""
+
+    image_data: list[bytes] = field(default_factory=list, repr=False, compare=False)
+    """Encoded image bytes in this process, never on the wire: what an env returns (the server
+    stores them and fills `images`), and what the client read back (aligned with `images`)."""
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"observation": self.observation, "info": self.info, "task_type": self.task_type,
+                "latency_s": self.latency_s, "session_id": self.session_id,
+                "images": [r.to_json() for r in self.images]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResetResult:
         return cls(
             observation=_str(data, "observation"), info=_dict(data, "info"), task_type=_str(data, "task_type"),
-            latency_s=_float(data, "latency_s"), session_id=_str(data, "session_id"),
+            latency_s=_float(data, "latency_s"), session_id=_str(data, "session_id"), images=_images(data),
         )
 
 
@@ -100,8 +168,16 @@ class StepResult:
     latency_s: float = 0.0
     """Emulated latency the server waited before replying (set by the latency wrapper)."""
 
+    images: list[ImageRef] = field(default_factory=list)
+    """Image observations by reference (filled by the server from `image_data`)."""
+
+    image_data: list[bytes] = field(default_factory=list, repr=False, compare=False)
+    """Encoded image bytes in this process, never on the wire: what an env returns (the server
+    stores them and fills `images`), and what the client read back (aligned with `images`)."""
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"observation": self.observation, "reward": self.reward, "done": self.done, "info": self.info,
+                "latency_s": self.latency_s, "images": [r.to_json() for r in self.images]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepResult:
@@ -110,7 +186,7 @@ class StepResult:
             raise ValueError(f"field 'done' must be a bool, got {done!r}")
         return cls(
             observation=_str(data, "observation"), reward=_float(data, "reward"), done=done,
-            info=_dict(data, "info"), latency_s=_float(data, "latency_s"),
+            info=_dict(data, "info"), latency_s=_float(data, "latency_s"), images=_images(data),
         )
 
 
@@ -153,7 +229,25 @@ def _float(data: dict[str, Any], key: str) -> float:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"field {key!r} must be a number, got {value!r}")
-    return float(value)
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"field {key!r} must be a finite number, got {value!r}")
+    return value
+
+
+def _int(data: dict[str, Any], key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _images(data: dict[str, Any]) -> list[ImageRef]:
+    # Absent in replies of servers that predate image observations: no images.
+    value = data.get("images", [])
+    if not isinstance(value, list):
+        raise ValueError(f"field 'images' must be a list, got {value!r}")
+    return [ImageRef.from_json(v) for v in value]
 
 
 def _dict(data: dict[str, Any], key: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Env registry: names to factories, and `build_env` that applies the latency wrapper.
 
-Built-in names: `door_game` (always available) and `textworld` (needs the textworld package
-from requirements/envs.lock; imported only when a textworld env is built).
+Built-in names: `door_game` and `gui_desktop` (always available), `textworld` (needs the
+textworld package from requirements/envs.lock; imported only when a textworld env is built),
+and `osworld` (the adapter to OSWorld's VM servers).
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ def _door_game(cfg: EnvConfig) -> Env:
     return DoorGameEnv(cfg)
 
 
+def _gui_desktop(cfg: EnvConfig) -> Env:
+    from tide_megatron.envs.gui_desktop import GuiDesktopEnv
+
+    return GuiDesktopEnv(cfg)
+
+
+def _osworld(cfg: EnvConfig) -> Env:
+    from tide_megatron.envs.osworld import OSWorldEnv
+
+    return OSWorldEnv(cfg)
+
+
 def _textworld(cfg: EnvConfig) -> Env:
     from tide_megatron.envs.textworld_env import TextWorldEnv
 
@@ -52,3 +65,5 @@ def _textworld(cfg: EnvConfig) -> Env:
 
 register_env("door_game", _door_game)
 register_env("textworld", _textworld)
+register_env("gui_desktop", _gui_desktop)
+register_env("osworld", _osworld)

@@ -6,51 +6,64 @@ newline-delimited JSON of `tide_megatron.envs.wire`, and computes rewards next t
 
 Concurrency model:
 - every request runs in its own task, so one slow env step never holds up another session
-  on the same connection;
-- calls of one session are serialised by a per-session lock;
-- envs marked `blocking` (TextWorld) run on a thread pool, pure-Python ones on the loop;
-- emulated latency is an `asyncio.sleep`, costing no thread;
-- sessions belong to the connection that opened them and close when it drops (a crashed
-  rollout rank leaks nothing), or after `session_idle_timeout_s` without a call.
+  on the same connection; calls of one session are serialised by a per-session lock;
+- blocking work (envs marked `blocking`, long actions, image checks, task lists, large
+  replies) runs on `FairExecutor` threads, connections taking turns; emulated latency is an
+  `asyncio.sleep`, costing no thread;
+- image observations are validated (`images.py`) and written to the node-local image store;
+  replies carry references, and a session's images go when it closes.
+
+Security and limits (all in `EnvServerConfig` / `EnvServerLimits`, per connection in
+`server_connection.py`):
+- loopback by default; binding any other address requires a shared token (`auth_token` or
+  the TIDE_ENV_TOKEN variable), which every connection must present in `hello` first;
+- caps on connections (past it: one `ServerBusy` line, then close; the process's file
+  descriptor limit is checked and raised at start), on sessions (server-wide and per
+  connection), on message sizes, nesting and numbers; read, idle and write timeouts;
+- sessions belong to the connection that opened them, under unguessable ids: no other
+  connection can step, close or read the images of one; they close when it drops (a crashed
+  rollout rank leaks nothing), or after `session_idle_timeout_s` without a call;
+- rewards and replies holding NaN or infinity are refused with an error naming the env and
+  the task, never sent and never a dead reply;
+- `tasks` is paginated by count and bytes; warnings are rate-limited (`log_interval_s`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
+import base64
 import importlib
 import ipaddress
 import itertools
 import json
 import logging
+import math
 import os
+import secrets
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tide_megatron.envs.config import EnvConfig, EnvServerConfig, config_from_dict
-from tide_megatron.envs.protocol import Env, TaskSpec
+from tide_megatron.envs.config import TOKEN_ENV_VAR, EnvConfig, EnvServerConfig, config_from_dict
+from tide_megatron.envs.fair_executor import FairExecutor
+from tide_megatron.envs.image_store import ImageStore
+from tide_megatron.envs.images import ImageError, validate_image
+from tide_megatron.envs.protocol import Env, ResetResult, StepResult
 from tide_megatron.envs.registry import build_env
-from tide_megatron.envs.wire import (
-    PROTOCOL_VERSION, SERVER_NAME, Request, Response, WireError, decode_request, encode_response,
-)
+from tide_megatron.envs.server_connection import CallError, Connection, RateLimitedLog
+from tide_megatron.envs.wire import PROTOCOL_VERSION, SERVER_NAME, Request, Response, encode_response, non_finite_path
 
 logger = logging.getLogger(__name__)
 
 READY_PREFIX = "TIDE_ENV_SERVER_READY "
 """First line the server prints on stdout once it listens, followed by {"host":..,"port":..}."""
 
-
-class CallError(Exception):
-    """A call the server refuses; becomes an error response of type `kind`."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+INLINE_ACTION_CHARS = 4096
+"""Steps with a longer action run on a worker thread even for a non-blocking env."""
+_FD_RESERVE = 256  # descriptors kept for sessions' files, the image store, logs, the executor
 
 
 @dataclass
@@ -60,7 +73,8 @@ class Session:
     task_id: str
     trajectory_id: str
     env: Env
-    connection_id: int
+    owner: int
+    """Id of the connection that opened it: the only one that may use it."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.monotonic)
     done: bool = False
@@ -80,42 +94,51 @@ class EnvServer:
     """Serves the envs of an `EnvServerConfig`."""
 
     def __init__(self, cfg: EnvServerConfig):
-        if not is_loopback(cfg.host) and not cfg.allow_remote:
-            raise ValueError(
-                f"refusing to bind {cfg.host!r}: the env protocol has no authentication; "
-                "bind loopback or set allow_remote=True inside a trusted network"
-            )
+        self.token = cfg.auth_token or os.environ.get(TOKEN_ENV_VAR, "")
+        if not is_loopback(cfg.host) and not self.token:
+            raise ValueError(f"refusing to bind {cfg.host!r} without a shared token: set auth_token (or the "
+                             f"{TOKEN_ENV_VAR} environment variable) on the server and its clients, or bind loopback")
+        if self.token and len(self.token) < 16:
+            raise ValueError("auth_token must be at least 16 characters (e.g. secrets.token_urlsafe(24))")
         for module in cfg.plugins:
             importlib.import_module(module)
         keys = [e.key for e in cfg.envs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate served env names: {keys}")
         self.cfg = cfg
+        self.log = RateLimitedLog(cfg.limits.log_interval_s)
+        self.executor = FairExecutor(cfg.num_workers)
+        self.counts = {"resets": 0, "steps": 0, "errors": 0, "refused_connections": 0}
         self._env_cfgs: dict[str, EnvConfig] = {e.key: e for e in cfg.envs}
         # One instance per env answers catalogue queries; sessions get their own instances.
         self._catalog: dict[str, Env] = {k: build_env(c) for k, c in self._env_cfgs.items()}
-        self._task_lists: dict[tuple[str, str], list[TaskSpec]] = {}
+        self._task_pages: dict[tuple[str, str], asyncio.Future] = {}
         self._sessions: dict[str, Session] = {}
-        self._session_ids = itertools.count(1)
+        self._connections: dict[int, Connection] = {}
         self._connection_ids = itertools.count(1)
-        self._connections: set[asyncio.Task] = set()
-        self._executor = concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="env-worker")
+        self._handlers: set[asyncio.Task] = set()
+        self._images: ImageStore | None = None
         self._server: asyncio.base_events.Server | None = None
         self._reaper: asyncio.Task | None = None
+        self._previous_handler = None
+        self._max_connections = cfg.limits.max_connections
         self._started = time.monotonic()
-        self._counts = {"resets": 0, "steps": 0, "errors": 0}
         self.host = cfg.host
         self.port = cfg.port
 
     # Lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
-        self._server = await asyncio.start_server(
-            self._serve_connection, self.cfg.host, self.cfg.port, limit=self.cfg.max_message_bytes
-        )
+        self._max_connections = _fit_descriptor_limit(self.cfg.limits.max_connections)
+        loop = asyncio.get_running_loop()
+        self._previous_handler = loop.get_exception_handler()
+        loop.set_exception_handler(self._loop_exception)
+        self._images = ImageStore(self.cfg.image_store_dir, self.cfg.images_kept_per_session)
+        self._server = await asyncio.start_server(self._accept, self.cfg.host, self.cfg.port)
         self.host, self.port = self._server.sockets[0].getsockname()[:2]
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
-        logger.info("env server on %s:%d serving %s", self.host, self.port, sorted(self._env_cfgs))
+        logger.info("env server on %s:%d serving %s%s", self.host, self.port, sorted(self._env_cfgs),
+                    " (token required)" if self.token else "")
         return self.host, self.port
 
     async def stop(self) -> None:
@@ -123,14 +146,17 @@ class EnvServer:
             self._server.close()
         if self._reaper is not None:
             self._reaper.cancel()
-        for task in list(self._connections):
+        for task in list(self._handlers):
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         for session in list(self._sessions.values()):
             await self._close_session(session)
         for env in self._catalog.values():
             env.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown()
+        if self._images is not None:
+            self._images.close()
+        asyncio.get_running_loop().set_exception_handler(self._previous_handler)
 
     async def __aenter__(self) -> EnvServer:
         await self.start()
@@ -139,160 +165,218 @@ class EnvServer:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # asyncio reports accept() failures (out of descriptors) here, once per retry: keep
+        # them to a line per interval instead of a traceback per event.
+        message = context.get("message", "unhandled error in the event loop")
+        exc = context.get("exception")
+        self.log.warning(f"loop:{message}", f"env server: {message}" + (f": {exc!r}" if exc else ""))
+
     # Connections ---------------------------------------------------------------------------
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn_id = next(self._connection_ids)
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        write_lock = asyncio.Lock()
-        inflight: set[asyncio.Task] = set()
-
-        async def send(resp: Response) -> None:
-            async with write_lock:
-                writer.write(encode_response(resp))
-                await writer.drain()
-
-        try:
-            while True:
-                try:
-                    line = await reader.readline()
-                except (asyncio.LimitOverrunError, ValueError):
-                    await send(Response(-1, False, error_type="BadRequest",
-                                        error_message=f"line over {self.cfg.max_message_bytes} bytes; closing"))
-                    break
-                if not line:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    req = decode_request(line)
-                except WireError as e:
-                    await send(Response(-1, False, error_type="BadRequest", error_message=str(e)))
-                    continue
-                t = asyncio.create_task(self._answer(req, conn_id, send))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            for t in inflight:
-                t.cancel()
-            await asyncio.gather(*inflight, return_exceptions=True)
-            for session in [s for s in self._sessions.values() if s.connection_id == conn_id]:
-                await self._close_session(session)
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self._max_connections:
+            self.counts["refused_connections"] += 1
+            self.log.warning("refused", f"env server: refusing a connection: {len(self._connections)} open "
+                                        f"(max_connections={self._max_connections})")
+            writer.write(encode_response(Response(-1, False, error_type="ServerBusy", error_message=(
+                f"too many connections ({self._max_connections} open); try again later"))))
             writer.close()
-            self._connections.discard(task)
+            return
+        conn = Connection(self, reader, writer, next(self._connection_ids))
+        self._connections[conn.id] = conn
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            await conn.serve()
+        finally:
+            self._handlers.discard(task)
 
-    async def _answer(self, req: Request, conn_id: int, send: Callable) -> None:
-        try:
-            result = await self._dispatch(req, conn_id)
-            resp = Response(req.id, True, result=result)
-        except CallError as e:
-            self._counts["errors"] += 1
-            resp = Response(req.id, False, error_type=e.kind, error_message=e.message)
-        except Exception as e:  # an env bug must not kill the server; report it to the caller
-            logger.exception("env call %s failed", req.op)
-            self._counts["errors"] += 1
-            resp = Response(req.id, False, error_type="EnvFailure", error_message=f"{type(e).__name__}: {e}")
-        try:
-            await send(resp)
-        except (ConnectionError, RuntimeError):
-            pass  # the client went away; its sessions are closed by the connection handler
+    async def connection_closed(self, conn: Connection) -> None:
+        """Called by a connection as it ends: its sessions go with it."""
+        self._connections.pop(conn.id, None)
+        for session_id in list(conn.sessions):
+            session = self._sessions.get(session_id)
+            if session is not None:
+                await self._close_session(session)
 
     # Calls ---------------------------------------------------------------------------------
 
-    async def _dispatch(self, req: Request, conn_id: int) -> dict[str, Any]:
+    async def dispatch(self, req: Request, conn: Connection) -> dict[str, Any]:
         a = req.args
-        if req.op == "ping":
+        if req.op in ("ping", "hello"):
             return {"server": SERVER_NAME, "version": PROTOCOL_VERSION}
         if req.op == "envs":
             return {"envs": sorted(self._env_cfgs)}
         if req.op == "stats":
             return self._stats()
         if req.op == "tasks":
-            env_key = _arg(a, "env", str)
-            split = a.get("split", "train")
-            offset, limit = a.get("offset", 0), a.get("limit", 1 << 30)
-            if not isinstance(split, str) or not _is_int(offset) or not _is_int(limit):
-                raise CallError("BadRequest", "tasks: split must be a string, offset and limit integers")
-            tasks = await self._task_list(env_key, split)
-            return {"tasks": [t.to_json() for t in tasks[offset : offset + limit]], "total": len(tasks)}
+            split, offset, limit = a.get("split", "train"), a.get("offset", 0), a.get("limit", 1 << 30)
+            if not isinstance(split, str) or not _is_int(offset) or not _is_int(limit) or offset < 0 or limit < 0:
+                raise CallError("BadRequest", "tasks: split must be a string, offset and limit integers >= 0")
+            return await self._tasks_page(_arg(a, "env", str), split, offset, limit, conn)
         if req.op == "reset":
-            return await self._reset(_arg(a, "env", str), _arg(a, "task_id", str), _arg(a, "trajectory_id", str), conn_id)
+            return await self._reset(_arg(a, "env", str), _arg(a, "task_id", str), _arg(a, "trajectory_id", str), conn)
         if req.op == "step":
-            return await self._step(_arg(a, "session_id", str), _arg(a, "action", str))
+            return await self._step(self._owned(_arg(a, "session_id", str), conn), _arg(a, "action", str), conn)
         if req.op == "close":
             session = self._sessions.get(_arg(a, "session_id", str))
-            if session is not None:
+            if session is not None and session.owner == conn.id:
                 await self._close_session(session)
             return {}
+        if req.op == "image":
+            return await self._image(self._owned(_arg(a, "session_id", str), conn), _arg(a, "image_id", str), conn)
         raise CallError("UnknownOp", f"unknown op {req.op!r}")
 
-    async def _task_list(self, env_key: str, split: str) -> list[TaskSpec]:
+    def _owned(self, session_id: str, conn: Connection) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != conn.id:
+            # The same answer whether it never existed or is another connection's: ids leak nothing.
+            raise CallError("UnknownSession", f"no session {session_id!r} on this connection (closed, timed out, "
+                                              "or never opened here)")
+        return session
+
+    async def _tasks_page(self, env_key: str, split: str, offset: int, limit: int, conn: Connection) -> dict[str, Any]:
+        entries = await self._task_entries(env_key, split, conn)
+        lim = self.cfg.limits
+        page: list[dict[str, Any]] = []
+        size, i = 0, offset
+        while i < len(entries) and len(page) < min(limit, lim.max_tasks_page):
+            task, nbytes = entries[i]
+            if page and size + nbytes > lim.max_page_bytes:
+                break
+            page.append(task)
+            size, i = size + nbytes, i + 1
+        return {"tasks": page, "total": len(entries), "next_offset": i if i < len(entries) else None}
+
+    async def _task_entries(self, env_key: str, split: str, conn: Connection) -> list[tuple[dict[str, Any], int]]:
+        """Every task of (env, split) as JSON with its encoded size; built once, off the loop."""
         env = self._env(env_key)
         key = (env_key, split)
-        if key not in self._task_lists:
-            try:
-                self._task_lists[key] = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, env.list_tasks, split
-                )
-            except KeyError as e:
-                raise CallError("BadRequest", str(e.args[0] if e.args else e)) from None
-        return self._task_lists[key]
+        if key not in self._task_pages:
+            def build() -> list[tuple[dict[str, Any], int]]:
+                specs = [t.to_json() for t in env.list_tasks(split)]
+                return [(t, len(json.dumps(t, separators=(",", ":"))) + 1) for t in specs]
 
-    async def _reset(self, env_key: str, task_id: str, trajectory_id: str, conn_id: int) -> dict[str, Any]:
+            self._task_pages[key] = asyncio.ensure_future(self.executor.run(conn.id, build))
+        try:
+            return await asyncio.shield(self._task_pages[key])
+        except Exception as e:
+            failed = self._task_pages.get(key)
+            if failed is not None and failed.done():  # a failed build is not cached
+                self._task_pages.pop(key, None)
+            if isinstance(e, KeyError):
+                raise CallError("BadRequest", str(e.args[0] if e.args else e)) from None
+            raise
+
+    async def _reset(self, env_key: str, task_id: str, trajectory_id: str, conn: Connection) -> dict[str, Any]:
         cfg = self._env_cfgs.get(env_key)
         if cfg is None:
             raise CallError("UnknownEnv", f"unknown env {env_key!r}; served: {sorted(self._env_cfgs)}")
         if len(self._sessions) >= self.cfg.max_sessions:
             raise CallError("ServerBusy", f"{len(self._sessions)} sessions open (max_sessions={self.cfg.max_sessions})")
+        if len(conn.sessions) >= self.cfg.limits.max_sessions_per_connection:
+            raise CallError("ServerBusy", f"this connection holds {len(conn.sessions)} sessions "
+                                          f"(max_sessions_per_connection={self.cfg.limits.max_sessions_per_connection})")
         try:
             self._env(env_key).task(task_id)
         except KeyError as e:
             raise CallError("UnknownTask", str(e.args[0] if e.args else e)) from None
         env = build_env(cfg)
+        session = Session(f"s-{secrets.token_urlsafe(18)}", env_key, task_id, trajectory_id, env, conn.id)
+        conn.sessions.add(session.session_id)  # counted against the cap while the reset runs
         try:
-            result = await self._call(env, env.reset, task_id, trajectory_id)
+            result = await self._call(env, env.reset, (task_id, trajectory_id), conn, env.blocking)
+            await self._publish_images(session, result, conn)
+            out = self._checked(session, result)
         except BaseException:
-            await self._call(env, env.close)
+            conn.sessions.discard(session.session_id)
+            self._images.release(session.session_id)
+            await self._call(env, env.close, (), conn, env.blocking)
             raise
-        session = Session(f"s{next(self._session_ids)}", env_key, task_id, trajectory_id, env, conn_id)
         self._sessions[session.session_id] = session
-        self._counts["resets"] += 1
-        result.session_id = session.session_id
+        self.counts["resets"] += 1
+        out["session_id"] = session.session_id
         if result.latency_s > 0:
             await asyncio.sleep(result.latency_s)
-        return result.to_json()
+        return out
 
-    async def _step(self, session_id: str, action: str) -> dict[str, Any]:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise CallError("UnknownSession", f"no session {session_id!r} (closed, timed out, or never opened)")
+    async def _step(self, session: Session, action: str, conn: Connection) -> dict[str, Any]:
         async with session.lock:
             if session.done:
-                raise CallError("EpisodeDone", f"session {session_id} is done; reset a new one")
+                raise CallError("EpisodeDone", f"session {session.session_id} is done; reset a new one")
             session.last_active = time.monotonic()
-            result = await self._call(session.env, session.env.step, action)
+            heavy = session.env.blocking or len(action) > INLINE_ACTION_CHARS
+            result = await self._call(session.env, session.env.step, (action,), conn, heavy)
             session.turns += 1
             session.done = result.done
-            self._counts["steps"] += 1
+            self.counts["steps"] += 1
+            await self._publish_images(session, result, conn)
+            out = self._checked(session, result)
             if result.latency_s > 0:
                 await asyncio.sleep(result.latency_s)
             session.last_active = time.monotonic()
-        return result.to_json()
+        return out
 
-    async def _call(self, env: Env, fn: Callable, *args: Any) -> Any:
-        if env.blocking:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def _checked(self, session: Session, result: ResetResult | StepResult) -> dict[str, Any]:
+        """The result as JSON, refused when it holds NaN or infinity (a reward above all)."""
+        what = f"env {session.env_key!r} task {session.task_id!r} (turn {session.turns})"
+        reward = getattr(result, "reward", 0.0)
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            session.done = True
+            raise CallError("EnvFailure", f"{what} returned the reward {reward!r}, not a finite number; refused")
+        out = result.to_json()
+        where = non_finite_path(out, "result")
+        if where is not None:
+            session.done = True
+            raise CallError("EnvFailure", f"{what} returned NaN or infinity at {where}; refused")
+        return out
+
+    async def _call(self, env: Env, fn: Callable, args: tuple, conn: Connection, heavy: bool) -> Any:
+        if heavy:
+            return await self.executor.run(conn.id, fn, *args)
         return fn(*args)
+
+    async def _publish_images(self, session: Session, result: ResetResult | StepResult, conn: Connection) -> None:
+        """Validate and store the env's image bytes; the reply then carries references."""
+        if not result.image_data:
+            return
+        data, result.image_data = result.image_data, []
+
+        def publish() -> list:
+            refs = []
+            for i, raw in enumerate(data):
+                try:
+                    info = validate_image(raw, self.cfg.images)
+                except ImageError as e:
+                    raise CallError("BadImage", f"env {session.env_key!r} task {session.task_id!r} turn "
+                                                f"{session.turns}: image {i}: {e}") from None
+                refs.append(self._images.put(session.session_id, raw, info))
+            return refs
+
+        result.images = await self.executor.run(conn.id, publish)
+
+    async def _image(self, session: Session, image_id: str, conn: Connection) -> dict[str, Any]:
+        try:
+            ref, data = await self.executor.run(conn.id, self._images.read, session.session_id, image_id)
+        except (KeyError, OSError):
+            raise CallError("BadRequest", f"session {session.session_id} holds no image {image_id!r} (only the newest "
+                                          f"{self.cfg.images_kept_per_session} are kept)") from None
+        session.last_active = time.monotonic()
+        return {**ref.to_json(), "data_b64": base64.b64encode(data).decode("ascii")}
 
     async def _close_session(self, session: Session) -> None:
         if self._sessions.pop(session.session_id, None) is None:
             return
+        conn = self._connections.get(session.owner)
+        if conn is not None:
+            conn.sessions.discard(session.session_id)
+        self._images.release(session.session_id)
         try:
-            await self._call(session.env, session.env.close)
+            if session.env.blocking and not self.executor.closed:
+                await self.executor.run(session.owner, session.env.close)
+            else:
+                session.env.close()
         except Exception:
             logger.exception("closing session %s failed", session.session_id)
 
@@ -308,7 +392,10 @@ class EnvServer:
             per_env[s.env_key] += 1
         return {
             "sessions": len(self._sessions), "max_sessions": self.cfg.max_sessions, "sessions_per_env": per_env,
-            "uptime_s": time.monotonic() - self._started, **self._counts,
+            "connections": len(self._connections), "max_connections": self._max_connections,
+            "max_sessions_per_connection": self.cfg.limits.max_sessions_per_connection,
+            "images": self._images.count() if self._images is not None else 0,
+            "queued_jobs": self.executor.queued(), "uptime_s": time.monotonic() - self._started, **self.counts,
         }
 
     async def _reap_idle_sessions(self) -> None:
@@ -319,6 +406,31 @@ class EnvServer:
             for session in [s for s in self._sessions.values() if s.last_active < cutoff and not s.lock.locked()]:
                 logger.info("closing idle session %s", session.session_id)
                 await self._close_session(session)
+
+
+def _fit_descriptor_limit(max_connections: int) -> int:
+    """`max_connections`, or fewer when the process cannot have that many descriptors open
+    (the soft limit is raised towards the hard one first). Past the limit accept() fails in a
+    loop; refusing politely below it is the cure."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return max_connections
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        fitted = max(1, soft - _FD_RESERVE)
+        logger.warning("file descriptor limit %d: serving at most %d connections instead of max_connections=%d",
+                       soft, fitted, max_connections)
+        return fitted
+    return max_connections
 
 
 def _arg(args: dict[str, Any], name: str, tp: type) -> Any:

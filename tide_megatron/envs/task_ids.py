@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import hashlib
 
-SPLITS = ("train", "eval")
-
 
 def make_task_id(split: str, index: int) -> str:
     return f"{split}/{index}"
+
+
+def pool_task_ids(split: str, pool_sizes: dict[str, int]) -> list[str]:
+    """Every task id of a split; KeyError for a split that is not one of the pools."""
+    if split not in pool_sizes:
+        raise KeyError(f"unknown split {split!r}; splits are {sorted(pool_sizes)}")
+    return [make_task_id(split, i) for i in range(pool_sizes[split])]
 
 
 def parse_task_id(task_id: str, pool_sizes: dict[str, int]) -> tuple[str, int]:

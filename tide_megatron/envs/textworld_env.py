@@ -26,7 +26,7 @@ import threading
 
 from tide_megatron.envs.config import EnvConfig, TextWorldConfig, default_cache_dir
 from tide_megatron.envs.protocol import Env, ResetResult, StepResult, TaskSpec
-from tide_megatron.envs.task_ids import SPLITS, make_task_id, parse_task_id, stable_seed
+from tide_megatron.envs.task_ids import parse_task_id, pool_task_ids, stable_seed
 
 # TextWorld's generator keeps module-level state (its knowledge base, grammar caches); one
 # generation at a time per process keeps it safe under the server's worker threads.
@@ -86,9 +86,7 @@ class TextWorldEnv(Env):
     # Catalogue -----------------------------------------------------------------------------
 
     def list_tasks(self, split: str) -> list[TaskSpec]:
-        if split not in self._pools:
-            raise KeyError(f"unknown split {split!r}; splits are {SPLITS}")
-        return [self.task(make_task_id(split, i)) for i in range(self._pools[split])]
+        return [self.task(t) for t in pool_task_ids(split, self._pools)]
 
     def task(self, task_id: str) -> TaskSpec:
         split, index = parse_task_id(task_id, self._pools)

@@ -11,6 +11,11 @@ scheduling needs:
   dispatcher and sends the whole context again, which re-uses any prefix still cached there.
 The environment session stays open while a task is paused: a paused task still holds its env.
 
+Weight updates. A task keeps running across them. The engine drains its turns before it loads
+new weights (`RolloutEngine.turn`), and every session opened under the old weights is dropped,
+so the task's next turn sends its whole context and is prefilled under the new weights; each
+turn's generated tokens form a `Segment` tagged with the weight version that produced them.
+
 With `use_sessions=False` (the vanilla, request-level baseline) it sends the whole context
 every turn, untagged, and is never paused.
 """
@@ -26,6 +31,7 @@ from sglang_patches.task_tag import ADMIT, RESUME, TURN, TaskTag
 from tide_megatron.envs.client import EnvClient
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.engine import Generation, RolloutEngine
+from tide_megatron.core.trajectory import Segment
 from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
 
 
@@ -47,6 +53,8 @@ class TaskHandle:
     session_id: Optional[str] = None
     """Open SGLang session on `rank` (pins the task's prefix), if any."""
     session_rank: Optional[int] = None
+    session_epoch: int = -1
+    """The engine's weight epoch the session was opened in (older sessions hold stale KV)."""
     started: bool = False
     """Has sent its first turn."""
     pauses: int = 0
@@ -71,9 +79,10 @@ class TaskHandle:
         self.runnable.clear()
         return asyncio.get_running_loop().create_task(self.release_session(engines))
 
-    async def release_session(self, engines: dict[int, RolloutEngine]) -> None:
+    async def release_session(self, engines: dict[int, RolloutEngine], *, even_if_placed: bool = False) -> None:
+        """Close the task's session (a paused task; or any task, before a weight update)."""
         async with self.lock:
-            if self.session_id is not None and self.rank is None:
+            if self.session_id is not None and (self.rank is None or even_if_placed):
                 engine = engines.get(self.session_rank)
                 session, self.session_id = self.session_id, None
                 if engine is not None:
@@ -102,7 +111,8 @@ class CTBTaskRunner:
         async with self.env.session(assignment.task["env"], assignment.task["task_id"],
                                     assignment.trajectory_id) as first:
             ep = _Episode(tokens=self.chat.prompt_ids(first.observation), env_wait_s=time.monotonic() - t0,
-                          version=min(e.weight_version for e in self.engines.values()))
+                          version=self.engines[handle.rank].weight_version if handle.rank in self.engines
+                          else min(e.weight_version for e in self.engines.values()))
             ep.loss_mask = [0] * len(ep.tokens)
             ep.logprobs = [0.0] * len(ep.tokens)
             try:
@@ -112,14 +122,20 @@ class CTBTaskRunner:
                     if handle.session_id is not None:
                         session, handle.session_id = handle.session_id, None
                         await self.engines[handle.session_rank].close_session(session)
+        # Generation never runs past the context limit; only a last observation can, and it is cut.
         cut = self.cfg.max_context_tokens
+        mask = ep.loss_mask[:cut]
+        assert sum(mask) == ep.generated, "the context cut must not drop generated tokens"
         return Trajectory(
-            group_id=assignment.group_id, index=assignment.index, task=assignment.task,
-            is_eval=assignment.is_eval, token_ids=ep.tokens[:cut], loss_mask=ep.loss_mask[:cut],
-            logprobs=ep.logprobs[:cut], reward=float(ep.info.get("episode_return", ep.reward)), turns=ep.turns,
-            policy_version=ep.version, truncated=ep.truncated or bool(ep.info.get("truncated", False)),
-            generated_tokens=ep.generated, prompt_tokens=ep.prompt_tokens, cached_tokens=ep.cached_tokens,
-            env_wait_s=ep.env_wait_s, generate_s=ep.generate_s, started_at=started, finished_at=time.time(),
+            group_id=assignment.group_id, index=assignment.index, task_id=assignment.task.get("task_id", ""),
+            policy_version=min((s.version for s in ep.segments), default=ep.version),
+            prompt_tokens=len(mask) - ep.generated, generated_tokens=ep.generated,
+            reward=float(ep.info.get("episode_return", ep.reward)), started_at=started, finished_at=time.time(),
+            is_eval=assignment.is_eval, token_ids=ep.tokens[:cut], loss_mask=mask, logprobs=ep.logprobs[:cut],
+            segments=list(ep.segments), task=assignment.task, turns=ep.turns,
+            truncated=ep.truncated or bool(ep.info.get("truncated", False)),
+            engine_prompt_tokens=ep.prompt_tokens, cached_tokens=ep.cached_tokens,
+            env_wait_s=ep.env_wait_s, generate_s=ep.generate_s,
             info={**{k: v for k, v in ep.info.items() if isinstance(v, (int, float, str, bool))},
                   "ctb_pauses": handle.pauses, "ctb_moves": handle.moves},
         )
@@ -133,8 +149,9 @@ class CTBTaskRunner:
             if ep.turns >= self.cfg.max_turns or remaining <= 0:
                 ep.truncated = True
                 return
-            gen = await self._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
+            gen, version = await self._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
             previous_rid = gen.rid
+            ep.segments.append(Segment(len(ep.tokens), len(ep.tokens) + len(gen.output_ids), version))
             ep.append(gen.output_ids, 1, gen.logprobs)
             action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             t0 = time.monotonic()
@@ -148,7 +165,9 @@ class CTBTaskRunner:
                 ep.append(pending, 0)
 
     async def _generate_turn(self, ep: _Episode, pending: list[int], previous_rid: Optional[str], remaining: int,
-                             handle: TaskHandle, listener: TurnListener) -> Generation:
+                             handle: TaskHandle, listener: TurnListener) -> tuple[Generation, int]:
+        """One turn on the rank the task is placed on; returns the generation and the weight
+        version that produced it."""
         while True:
             await handle.runnable.wait()
             async with handle.lock:
@@ -156,33 +175,39 @@ class CTBTaskRunner:
                     continue  # paused again while waiting for the lock
                 rank = handle.rank
                 engine = self.engines[rank]
-                kind = TURN if handle.started else ADMIT
-                session_params = None
-                if self.use_sessions:
-                    if handle.session_id is None or handle.session_rank != rank:
-                        if handle.started:
-                            kind = RESUME
-                        handle.session_id = await engine.open_session(self.cfg.max_context_tokens * 8)
-                        handle.session_rank, previous_rid = rank, None
-                    if handle.rank != rank:  # paused while the session opened
-                        continue
-                    session_params = {"id": handle.session_id}
-                    if previous_rid is not None:
-                        session_params["rid"] = previous_rid
-                # A fresh session (first turn or resume) needs the whole context; a live one only the delta.
-                send = pending if session_params is not None and previous_rid is not None else ep.tokens
-                tag = listener.turn_started(handle.task_id, len(ep.tokens), kind)
-                handle.started, handle.last_rank = True, rank
-                ep.version = min(ep.version, engine.weight_version)
-                t0 = time.monotonic()
-                gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params)
-                ep.generate_s += time.monotonic() - t0
+                async with engine.turn():  # no weight update starts while this turn generates
+                    if handle.rank != rank:
+                        continue  # paused while waiting for the engine
+                    kind = TURN if handle.started else ADMIT
+                    session_params = None
+                    if self.use_sessions:
+                        stale = handle.session_epoch != engine.weight_epoch
+                        if handle.session_id is None or handle.session_rank != rank or stale:
+                            if handle.session_id is not None:  # opened under old weights
+                                await self.engines[handle.session_rank].close_session(handle.session_id)
+                                handle.session_id = None
+                            if handle.started:
+                                kind = RESUME
+                            handle.session_id = await engine.open_session(self.cfg.max_context_tokens * 8)
+                            handle.session_rank, handle.session_epoch, previous_rid = rank, engine.weight_epoch, None
+                        session_params = {"id": handle.session_id}
+                        if previous_rid is not None:
+                            session_params["rid"] = previous_rid
+                    # A fresh session (first turn, resume, new weights) needs the whole context;
+                    # a live one only the delta.
+                    send = pending if session_params is not None and previous_rid is not None else ep.tokens
+                    tag = listener.turn_started(handle.task_id, len(ep.tokens), kind)
+                    handle.started, handle.last_rank = True, rank
+                    version = engine.weight_version
+                    t0 = time.monotonic()
+                    gen, report = await generate_tagged(engine, send, self._sampling(remaining), tag, session_params)
+                    ep.generate_s += time.monotonic() - t0
             ep.turns += 1
             ep.prompt_tokens += gen.prompt_tokens
             ep.cached_tokens += gen.cached_tokens
             ep.generated += len(gen.output_ids)
             listener.turn_finished(handle.task_id, len(ep.tokens) + len(gen.output_ids), report)
-            return gen
+            return gen, version
 
 
 async def generate_tagged(engine: RolloutEngine, input_ids: list[int], sampling_params: dict[str, Any],

@@ -6,6 +6,11 @@ coroutines on the engine's own event loop (SGLang's synchronous `Engine` methods
 token-in/token-out generation with log-probs, one streaming session per task (the
 session pins the task's prefix while it waits for its environment), in-place weight
 updates from tensors, and cache flushes at the weight-sync boundary.
+
+A weight update is a boundary for the tasks running on the engine: turns that are
+generating finish first (`turn()`), no new turn starts, every open session is closed (its KV
+was computed by the old weights), the weights load and the cache is flushed, then turns go
+on; a task's next turn opens a fresh session and is prefilled under the new weights.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -103,6 +110,16 @@ def _without_torchelastic_store():
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
+def _signal_handler_class(engine: "RolloutEngine"):
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+    class RankSignalHandler(SignalHandler):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            engine._child_died(signum, frame)
+
+    return RankSignalHandler
+
+
 class RolloutEngine:
     """An SGLang engine serving one rollout rank."""
 
@@ -111,11 +128,50 @@ class RolloutEngine:
 
         self.cfg = cfg
         self.model_path = model_path
+        self.died = False
+        """A subprocess of the engine (its scheduler) died; the engine must be replaced."""
+        kwargs = cfg.engine_kwargs(model_path)
+        # SGLang's default answer to a dead scheduler is to kill this whole process tree, which
+        # would take the rollout rank (and, under torchrun, the job) with it. Instead the rank
+        # is told, fails the engine's tasks (they are retried) and starts a new engine.
+        kwargs.setdefault("custom_sigquit_handler", self._child_died)
         with _without_torchelastic_store():
-            self._engine = Engine(**cfg.engine_kwargs(model_path))
+            self._engine = Engine(**kwargs)
         self.loop: asyncio.AbstractEventLoop = self._engine.loop
         self._tm = self._engine.tokenizer_manager
+        # When it first runs, the tokenizer manager installs its own SIGQUIT handler (kill the
+        # process tree); give it one that reports to this engine instead.
+        self._tm.signal_handler_class = _signal_handler_class(self)
         self.weight_version = 0
+        self.weight_epoch = 0
+        """Counts weight loads: a session opened in an older epoch holds stale KV."""
+        self._sessions: set[str] = set()
+        self._turns_open = asyncio.Event()
+        self._turns_open.set()
+        self._active_turns = 0
+        self._no_turns = asyncio.Event()
+        self._no_turns.set()
+
+    def _child_died(self, signum, frame) -> None:
+        logger.error("an SGLang subprocess of this rollout rank died; the engine will be replaced")
+        self.died = True
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        """Hold while one turn generates: a weight update waits for it and blocks new ones."""
+        await self._turns_open.wait()
+        self._active_turns += 1
+        self._no_turns.clear()
+        try:
+            yield
+        finally:
+            self._active_turns -= 1
+            if self._active_turns == 0:
+                self._no_turns.set()
+
+    @property
+    def active_turns(self) -> int:
+        return self._active_turns
 
     # -- generation -------------------------------------------------------------------
     async def generate(
@@ -162,36 +218,58 @@ class RolloutEngine:
             return None
         from sglang.srt.managers.io_struct import OpenSessionReqInput
 
-        return await self._tm.open_session(
+        session_id = await self._tm.open_session(
             OpenSessionReqInput(capacity_of_str_len=capacity_tokens, streaming=True), None
         )
+        if session_id is not None:
+            self._sessions.add(session_id)
+        return session_id
 
     async def close_session(self, session_id: str | None) -> None:
-        if session_id is None:
+        """Close a session of this engine (closed already, e.g. by a weight update: no-op)."""
+        if session_id is None or session_id not in self._sessions:
             return
         from sglang.srt.managers.io_struct import CloseSessionReqInput
 
+        self._sessions.discard(session_id)
         await self._tm.close_session(CloseSessionReqInput(session_id=session_id), None)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
 
     # -- weights ------------------------------------------------------------------------
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Load new weights in place (HF names) and drop every cached prefix, which the
-        new policy makes stale."""
+        """Load new weights in place (HF names) and drop every cached prefix and open session,
+        which the new policy makes stale (see the module docstring)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        payload = [MultiprocessingSerializer.serialize(list(named_tensors))] * self.cfg.tp_size
+        self._turns_open.clear()
+        try:
+            await self._no_turns.wait()
+            for session_id in list(self._sessions):
+                await self.close_session(session_id)
+            await self._load(payload, version)
+            self.weight_version = version
+            self.weight_epoch += 1
+        finally:
+            self._turns_open.set()
+
+    async def _load(self, payload: list, version: int) -> None:
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
             EndWeightUpdateReqInput,
             UpdateWeightsFromTensorReqInput,
         )
-        from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = [MultiprocessingSerializer.serialize(list(named_tensors))] * self.cfg.tp_size
         await self._tm.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
         try:
             ok, message = await self._tm.update_weights_from_tensor(
                 UpdateWeightsFromTensorReqInput(
                     serialized_named_tensors=payload,
                     load_format=None,
-                    flush_cache=True,
+                    flush_cache=False,  # flushed below, once the sessions' requests have drained
                     weight_version=str(version),
                 ),
                 None,
@@ -200,14 +278,23 @@ class RolloutEngine:
             await self._tm.end_weight_update(EndWeightUpdateReqInput(), None)
         if not ok:
             raise RuntimeError(f"SGLang rejected the weight update to version {version}: {message}")
-        self.weight_version = version
+        # Closing a session frees its request on the scheduler's next pass; the deferred flush
+        # waits for that idle moment (no new turn can start meanwhile: the turn gate is closed).
+        flushed = await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)
+        if not flushed.success:
+            raise RuntimeError(f"weights {version} loaded but SGLang could not flush the old cache within "
+                               f"{FLUSH_TIMEOUT_S:.0f} s: {flushed.message}")
 
-    async def flush_cache(self) -> None:
-        await self._tm.flush_cache()
+    async def flush_cache(self) -> bool:
+        return (await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)).success
 
     def shutdown(self) -> None:
         import multiprocessing
 
-        self._engine.shutdown()
-        for child in multiprocessing.active_children():  # reap the scheduler zombies
-            child.join(timeout=1)
+        try:
+            self._engine.shutdown()
+        finally:
+            for child in multiprocessing.active_children():  # reap the scheduler zombies
+                if self.died:
+                    child.kill()  # a dead engine's other subprocesses go too
+                child.join(timeout=1)

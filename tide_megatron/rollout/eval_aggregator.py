@@ -63,6 +63,15 @@ class EvalAggregator:
         version = self._owner.get(tid, trajectory.policy_version)
         self._rewards[version][trajectory.group_id][tid] = trajectory.reward
 
+    def abandon(self, version: int, trajectory_ids: Iterable[str]) -> None:
+        """Trajectories of `version`'s evaluation that will never report (their group failed):
+        the evaluation completes without them, and its metrics count fewer trajectories."""
+        for tid in trajectory_ids:
+            self._expected.get(version, set()).discard(tid)
+            self._owner.pop(tid, None)
+            for group in self._rewards.get(version, {}).values():
+                group.pop(tid, None)
+
     def outstanding(self, version: int) -> int:
         got = sum(len(g) for g in self._rewards.get(version, {}).values())
         return max(len(self._expected.get(version, ())) - got, 0)

@@ -1,4 +1,7 @@
-"""One rollout task's types: its assignment, its finished trajectory, and the runner.
+"""One rollout task: its limits, and a runner for one engine.
+
+The assignment (`comm.messages.TaskAssignment`) and the finished record
+(`core.trajectory.Trajectory`) are imported here for the callers that run tasks.
 
 A task is one trajectory of a GRPO group. The trajectory is kept in tokens: the prompt,
 each generated action (loss mask 1, with the engine's log-probs), and each observation
@@ -9,12 +12,16 @@ environment. The multi-turn loop itself lives in `ctb_task_runner.py`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from tide_megatron.comm.messages import TaskAssignment
+from tide_megatron.core.trajectory import Segment, Trajectory
 from tide_megatron.envs.client import EnvClient
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.engine import RolloutEngine
+
+__all__ = ["TaskAssignment", "TaskRunner", "TaskRunnerConfig", "Trajectory"]
 
 
 @dataclass
@@ -33,62 +40,6 @@ class TaskRunnerConfig:
     """Nucleus sampling; keep 1.0 for unbiased GRPO log-probs."""
     system_prompt: str | None = None
     """System message before the first observation (None: the template's default)."""
-
-
-@dataclass
-class TaskAssignment:
-    """What the controller sends a rollout rank for one trajectory."""
-
-    task: dict[str, Any]
-    """The env's task spec (`TaskSpec.to_json()`)."""
-    group_id: str
-    """GRPO group of this trajectory."""
-    index: int
-    """Position within the group, 0..G-1."""
-    is_eval: bool = False
-    """Evaluation task (reward only; never trained on)."""
-
-    @property
-    def trajectory_id(self) -> str:
-        return f"{self.group_id}/{self.index}"
-
-
-@dataclass
-class Trajectory:
-    """A finished multi-turn trajectory, in tokens, as the trainer consumes it."""
-
-    group_id: str
-    index: int
-    task: dict[str, Any]
-    is_eval: bool
-    token_ids: list[int]
-    """Prompt, actions and observations. [T]"""
-    loss_mask: list[int]
-    """1 on tokens the policy generated, 0 elsewhere. [T]"""
-    logprobs: list[float]
-    """Engine log-probs on generated tokens, 0.0 elsewhere. [T]"""
-    reward: float
-    turns: int
-    policy_version: int
-    """Oldest weight version that generated any of its tokens (staleness is judged on it)."""
-    truncated: bool = False
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    """Context tokens the engine needed over all turns (cached or prefilled)."""
-    cached_tokens: int = 0
-    """Of `prompt_tokens`, those reused from the prefix cache."""
-    env_wait_s: float = 0.0
-    generate_s: float = 0.0
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Trajectory:
-        return cls(**data)
 
 
 class TaskRunner:
@@ -143,6 +94,7 @@ class _Episode:
     cached_tokens: int = 0
     generate_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    segments: list[Segment] = field(default_factory=list)
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
         self.tokens += ids

@@ -1,153 +1,295 @@
 """A rollout rank: one SGLang engine, many concurrent multi-turn tasks.
 
-The worker runs on the engine's event loop. It takes task assignments and commands from
-its mailbox, runs each task as an asyncio task, and posts every finished trajectory to
-the controller as soon as it is done. A task sent with CTB tag fields runs pausable
-(`CTBTaskRunner`): its requests carry the task tag to the `tide_ctb` SGLang plugin, every
-turn is reported to the controller, and `pause` / `resume` commands stop it before its
-next turn (releasing its SGLang session) and let it go on. On a `weights` command it joins the world
-broadcast (in a thread, so running tasks keep going) and loads the new weights into
-its engine, which also drops every cached prefix of the old policy.
+The worker runs on the engine's event loop. It takes typed control messages from its mailbox
+(`comm.messages`), runs each task as an asyncio task, and posts every finished trajectory to
+the controller as soon as it is done. Every task has a `TaskHandle` from the moment its
+`RunTask` arrives, so a `PauseTask`, `ResumeTask` or `CancelTask` that follows it in the same
+poll always finds it. A task sent with CTB tag fields runs tagged: its requests carry the task
+tag to the `tide_ctb` SGLang plugin and each turn is reported (`TurnEvent`); `PauseTask`
+stops it before its next turn and releases its SGLang session.
+
+Heartbeats carry the rank's own count of generated tokens, the tokens of tasks still running,
+and what the longest-waiting tasks wait for: the controller reconciles its ledger against the
+first (a vanished task shows up as lost tokens) and names the second when a run stalls.
+
+On `LoadWeights` the rank joins the broadcast (in a thread, so running tasks keep going) and
+loads the new weights into its engine, which drains turns, drops stale sessions and flushes
+the cache first (see `engine.py`).
+
+If the engine dies (its scheduler subprocess crashed or was killed), the rank survives: its
+running tasks are reported failed (rank 0 retries them), a new engine starts, the last weights
+it received are loaded into it, and the rank reports ready again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import traceback
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
+from sglang_patches.task_tag import TaskTag
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
-from sglang_patches.task_tag import TaskTag
+from tide_megatron.comm.messages import (
+    CancelTask,
+    Heartbeat,
+    LoadWeights,
+    PauseTask,
+    RankReady,
+    ResumeTask,
+    RunTask,
+    Stop,
+    TaskAssignment,
+    TaskCancelled,
+    TaskFailed,
+    TrajectoryDone,
+    TurnEvent,
+    WeightsLoaded,
+)
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
 from tide_megatron.rollout.engine import RolloutEngine
-from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunner
+from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.02
+FAULT_KILL_ENGINE_ENV = "TIDE_FAULT_KILL_ENGINE_AFTER_VERSION"
+"""Test-only fault injector: after loading this weight version, the rank kills its own SGLang
+scheduler (as a crash would), so tests can show the rank and the run survive it."""
+
+
+@dataclass
+class _Task:
+    """A task on this rank while it runs."""
+
+    assignment: TaskAssignment
+    handle: TaskHandle
+    tag: Optional[dict[str, Any]]
+    """Latest CTB tag fields from rank 0 (None: untagged, request-level scheduling)."""
+    generated: int = 0
+    """Tokens this task has generated so far."""
+    turn_context: int = 0
+    """Context tokens when the current turn started."""
+    state: str = "queued"
+    """What it does now: queued, generating, env, paused."""
+    since: float = field(default_factory=time.monotonic)
+    cancel_reason: Optional[str] = None
+    job: Optional[asyncio.Task] = None
 
 
 class RolloutWorker:
-    def __init__(self, rank: int, engine: RolloutEngine, runner: TaskRunner, mailbox: Mailbox, job_group):
+    def __init__(self, rank: int, engine: RolloutEngine, runner_cfg: TaskRunnerConfig, chat: ChatFormat, env,
+                 mailbox: Mailbox, job_group, heartbeat_interval_s: float = 2.0,
+                 engine_factory: Optional[Callable[[], RolloutEngine]] = None):
         self.rank = rank
+        self._engine_factory = engine_factory
+        self._last_weights: Optional[tuple[weight_sync.WeightManifest, Any]] = None
+        self.engine_restarts = 0
         self.job_group = job_group
         self.engine = engine
-        self.runner = runner
         self.mailbox = mailbox
-        self._running: set[asyncio.Task] = set()
-        self._stopping = False
-        self._busy_s = 0.0  # wall time with at least one task running
-        self._busy_since: float | None = None
+        self.heartbeat_interval_s = heartbeat_interval_s
         self._engines = {rank: engine}
-        self._ctb_runner = CTBTaskRunner(runner.cfg, self._engines, runner.chat, runner.env, use_sessions=True)
-        self._handles: dict[str, TaskHandle] = {}
-        self._tags: dict[str, dict[str, Any]] = {}  # task id -> latest CTB tag fields from rank 0
+        self._runner = CTBTaskRunner(runner_cfg, self._engines, chat, env, use_sessions=engine.cfg.use_sessions)
+        self._tasks: dict[str, _Task] = {}
+        self._stopping = False
+        self._started = time.monotonic()
+        self._busy_s = 0.0  # wall time with at least one task running
+        self._busy_since: Optional[float] = None
+        self._generated = 0  # tokens generated here, every task (the ledger's independent count)
+        self._env_steps = 0
 
     def run(self) -> None:
-        self.engine.loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
         self._started = time.monotonic()
-        self.mailbox.post(CONTROLLER, "ready")
-        while not self._stopping:
+        while self.engine.loop.run_until_complete(self._main()) == "engine died":
+            self._restart_engine()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    async def _main(self) -> str:
+        cfg = self.engine.cfg
+        self.mailbox.post(CONTROLLER, RankReady(engine={"max_total_tokens": cfg.max_total_tokens,
+                                                        "max_running_requests": cfg.max_running_requests,
+                                                        "use_sessions": cfg.use_sessions,
+                                                        "restarts": self.engine_restarts}))
+        next_beat = 0.0
+        while not self._stopping and not self.engine.died:
             for msg in self.mailbox.poll():
                 await self._handle(msg)
+                if self.engine.died:
+                    break
+            if time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + self.heartbeat_interval_s
             await asyncio.sleep(POLL_INTERVAL_S)
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        if self.engine.died:
+            for task in self._tasks.values():  # reported failed: rank 0 retries them
+                task.cancel_reason = "the rollout engine died"
+                if task.job is not None:
+                    task.job.cancel()
+        jobs = [t.job for t in self._tasks.values() if t.job is not None]
+        if jobs:
+            await asyncio.gather(*jobs, return_exceptions=True)
+        self._heartbeat()
+        return "engine died" if self.engine.died and not self._stopping else "stopped"
 
-    async def _handle(self, msg: dict[str, Any]) -> None:
-        kind = msg["kind"]
-        if kind == "task":
-            assignment = TaskAssignment(**msg["assignment"])
-            if msg.get("ctb") is not None:
-                self._tags[assignment.trajectory_id] = msg["ctb"]
-            task = asyncio.get_running_loop().create_task(self._run_task(assignment))
-            self._running.add(task)
-            self._mark_busy()
-            task.add_done_callback(self._task_done)
-        elif kind == "pause":
-            handle = self._handles.get(msg["task_id"])
-            if handle is not None and handle.rank is not None:
-                handle.pause(self._engines)
-        elif kind == "resume":
-            self._tags[msg["task_id"]] = msg["ctb"]
-            handle = self._handles.get(msg["task_id"])
-            if handle is not None:
-                handle.place(self.rank)
-        elif kind == "weights":
-            await self._load_weights(weight_sync.WeightManifest.from_json(msg["manifest"]))
-        elif kind == "stop":
+    def _restart_engine(self) -> None:
+        """Replace a dead engine; it gets the last weights this rank received."""
+        if self._engine_factory is None:
+            raise RuntimeError(f"rollout rank {self.rank}: the engine died and no factory can replace it")
+        logger.warning("rollout rank %d: restarting its engine", self.rank)
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("shutting down the dead engine")
+        self.engine = self._engine_factory()
+        self._engines[self.rank] = self.engine
+        self.engine_restarts += 1
+        if self._last_weights is not None:
+            manifest, flat = self._last_weights
+            self.engine.loop.run_until_complete(
+                self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
+
+    async def _handle(self, msg) -> None:
+        if isinstance(msg, RunTask):
+            self._start(msg.assignment, msg.tag)
+        elif isinstance(msg, PauseTask):
+            task = self._tasks.get(msg.task_id)
+            if task is not None and task.handle.rank is not None:
+                task.handle.pause(self._engines)
+                task.state, task.since = "paused", time.monotonic()
+        elif isinstance(msg, ResumeTask):
+            task = self._tasks.get(msg.task_id)
+            if task is not None:
+                task.tag = msg.tag
+                task.handle.place(self.rank)
+        elif isinstance(msg, CancelTask):
+            task = self._tasks.get(msg.task_id)
+            if task is not None and task.job is not None:
+                task.cancel_reason = msg.reason or "cancelled"
+                task.job.cancel()
+            elif task is None:  # already finished or never here: say so, nothing to stop
+                self.mailbox.post(CONTROLLER, TaskCancelled(msg.task_id, 0))
+        elif isinstance(msg, LoadWeights):
+            await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest))
+        elif isinstance(msg, Stop):
             self._stopping = True
         else:
-            raise ValueError(f"rollout rank {self.rank}: unknown message kind {kind!r}")
+            raise ValueError(f"rollout rank {self.rank}: unexpected message {msg!r}")
 
-    async def _run_task(self, assignment: TaskAssignment) -> None:
+    def _start(self, assignment: TaskAssignment, tag: Optional[dict[str, Any]]) -> None:
         tid = assignment.trajectory_id
-        try:
-            if tid in self._tags:
-                handle = self._handles[tid] = TaskHandle(tid)
-                handle.place(self.rank)
-                trajectory = await self._ctb_runner.run(assignment, handle, _MailboxTurns(self, assignment))
-            else:
-                trajectory = await self.runner.run(assignment)
-        except Exception as exc:  # report, never lose the task silently
-            logger.error("task %s failed on rank %d: %s", assignment.trajectory_id, self.rank, exc)
-            self.mailbox.post(
-                CONTROLLER, "task_failed", assignment=assignment.__dict__, error=f"{type(exc).__name__}: {exc}",
-                traceback=traceback.format_exc(limit=5),
-            )
-            return
-        finally:
-            self._handles.pop(tid, None)
-            self._tags.pop(tid, None)
-        self.mailbox.post(CONTROLLER, "trajectory", trajectory=trajectory.to_json())
-
-    def _mark_busy(self) -> None:
+        if tid in self._tasks:
+            raise ValueError(f"rollout rank {self.rank}: task {tid} started twice")
+        handle = TaskHandle(tid)
+        handle.place(self.rank)
+        task = self._tasks[tid] = _Task(assignment, handle, tag)
+        task.job = asyncio.get_running_loop().create_task(self._run_task(task))
         if self._busy_since is None:
             self._busy_since = time.monotonic()
 
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
-        if not self._running and self._busy_since is not None:
-            self._busy_s += time.monotonic() - self._busy_since
-            self._busy_since = None
+    async def _run_task(self, task: _Task) -> None:
+        tid = task.assignment.trajectory_id
+        listener = _Listener(self, task)
+        try:
+            trajectory = await self._runner.run(task.assignment, task.handle, listener)
+            self._env_steps += task.state == "env step"
+            self.mailbox.post(CONTROLLER, TrajectoryDone(trajectory))
+        except asyncio.CancelledError:
+            if self.engine.died:
+                self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died",
+                                                         generated_tokens=task.generated))
+            else:
+                await task.handle.release_session(self._engines, even_if_placed=True)
+                self.mailbox.post(CONTROLLER, TaskCancelled(tid, task.generated))
+        except Exception as exc:  # report, never lose the task silently
+            logger.warning("task %s failed on rank %d: %s", tid, self.rank, exc)
+            self.mailbox.post(CONTROLLER, TaskFailed(
+                task.assignment, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=5), task.generated))
+        finally:
+            del self._tasks[tid]
+            if not self._tasks and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+
+    def _busy_idle(self) -> tuple[float, float]:
+        now = time.monotonic()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        return busy, now - self._started - busy
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        longest = sorted(self._tasks.values(), key=lambda t: t.since)[:3]
+        waiting = [f"{t.assignment.trajectory_id}: {t.state} for {now - t.since:.0f} s" for t in longest]
+        busy, idle = self._busy_idle()
+        self.mailbox.post(CONTROLLER, Heartbeat(
+            generated_tokens=self._generated, running_tokens=sum(t.generated for t in self._tasks.values()),
+            running_tasks=len(self._tasks), env_steps=self._env_steps, waiting=waiting, busy_s=busy, idle_s=idle))
 
     async def _load_weights(self, manifest: weight_sync.WeightManifest) -> None:
         loop = asyncio.get_running_loop()
         flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
         t0 = time.perf_counter()
+        self._last_weights = (manifest, flat)  # what a replacement engine starts from
         await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
-        now = time.monotonic()
-        busy = self._busy_s + (now - self._busy_since if self._busy_since else 0.0)
-        self.mailbox.post(
-            CONTROLLER, "weights_loaded", version=manifest.version, broadcast_s=comm_s,
-            load_s=time.perf_counter() - t0, busy_s=busy, idle_s=now - self._started - busy,
-        )
+        if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(manifest.version) and not self.engine_restarts:
+            _kill_scheduler()
+        busy, idle = self._busy_idle()
+        self.mailbox.post(CONTROLLER, WeightsLoaded(manifest.version, broadcast_s=comm_s,
+                                                    load_s=time.perf_counter() - t0, busy_s=busy, idle_s=idle))
 
 
-class _MailboxTurns:
-    """A CTB task's turn events, to rank 0; its requests' tags, from rank 0's latest fields."""
+class _Listener:
+    """A task's turn events: counted here for heartbeats; for a tagged task also sent to rank 0,
+    and its requests carry the tag built from rank 0's latest fields."""
 
-    def __init__(self, worker: RolloutWorker, assignment: TaskAssignment):
+    def __init__(self, worker: RolloutWorker, task: _Task):
         self.worker = worker
-        self.assignment = assignment
+        self.task = task
 
-    def turn_started(self, task_id: str, context_tokens: int, kind: str) -> TaskTag:
-        self.worker.mailbox.post(CONTROLLER, "turn", task_id=task_id, phase="started", context_tokens=context_tokens)
-        fields = self.worker._tags[task_id]
-        return TaskTag(kind=kind, task_id=task_id, group_id=self.assignment.group_id, is_eval=self.assignment.is_eval,
-                       priority=float(fields["priority"]),
+    def turn_started(self, task_id: str, context_tokens: int, kind: str) -> Optional[TaskTag]:
+        task = self.task
+        if task.state == "env step":
+            self.worker._env_steps += 1  # the env answered the previous turn's action
+        task.turn_context, task.state, task.since = context_tokens, "generating", time.monotonic()
+        if task.tag is None:
+            return None
+        self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "started", context_tokens))
+        fields = task.tag
+        return TaskTag(kind=kind, task_id=task_id, group_id=task.assignment.group_id,
+                       is_eval=task.assignment.is_eval, priority=float(fields["priority"]),
                        footprint_tokens=max(int(fields["footprint_tokens"]), context_tokens),
                        turn_reserve_tokens=int(fields["turn_reserve_tokens"]))
 
-    def turn_finished(self, task_id: str, context_tokens: int, report: dict[str, Any] | None) -> None:
-        self.worker.mailbox.post(CONTROLLER, "turn", task_id=task_id, phase="finished",
-                                 context_tokens=context_tokens, report=report)
+    def turn_finished(self, task_id: str, context_tokens: int, report: Optional[dict[str, Any]]) -> None:
+        task = self.task
+        new = max(context_tokens - task.turn_context, 0)
+        task.generated += new
+        self.worker._generated += new
+        task.state, task.since = "env step", time.monotonic()
+        if task.tag is not None:
+            self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
+
+
+def _kill_scheduler() -> None:
+    import multiprocessing
+    import signal
+
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "scheduler" in title:  # SGLang names the process `sglang::scheduler`
+            logger.warning("fault injection: killing SGLang scheduler pid %d", child.pid)
+            os.kill(child.pid, signal.SIGKILL)
 
 
 def build_chat(model_path: str, system_prompt: str | None) -> ChatFormat:

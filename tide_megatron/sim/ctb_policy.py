@@ -1,23 +1,33 @@
-"""CTB placement: the core `CTBScheduler` driving the simulated rollout ranks.
+"""CTB placement in the simulator: a thin adapter over the core `CTBScheduler`.
 
-This is glue only. The simulator reports what happens (turn started/finished with the real
-context, task finished, ranks added/removed, weight sync) and carries out the decisions of
-`CTBScheduler.schedule` (Admit, Pause, Resume). Engines run with pinned prefixes: only CTB
-pauses free KV, the engine never evicts a waiting task behind CTB's back.
+Glue only, no decision of its own: the simulator reports what happens (turn started/finished
+with the real context, task finished, ranks added/removed, weight sync) and carries out the
+decisions of the very policy object real runs use (`CTBScheduler.schedule`: Admit, Pause,
+Resume), with the same `CTBConfig` options (hysteresis, pause bounds, own-rank resumption).
+Differences from the real system are the simulator's physics, not policy: engines pin waiting
+prefixes and drop a paused task's KV at once (no release to confirm: `confirm_release=False`),
+and they model no request rows (`max_resident_per_rank` as configured, None by default).
 
-Adapter notes:
-- Once a group has finished, this adapter drops it with `CTBScheduler.forget(group_id)`, so
-  the scheduler's tables (and its scans) stay bounded over a long run.
-- `schedule` admits from every submitted group; to keep its scans short we hand it groups
-  just ahead of need (`lookahead_groups` queued at a time) instead of the whole task stream.
+Every submitted task goes to the scheduler at once (its backlog is bounded by the simulator's
+feed); once a group is over, it is dropped with `CTBScheduler.forget` so the scheduler's tables
+stay bounded over a long run.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Deque, Dict, List
+from typing import Callable, Dict, List, Optional
 
-from tide_megatron.core.ctb import Admit, CTBConfig, CTBScheduler, Pause, Resume, RolloutTask, TaskState
+from tide_megatron.core.ctb import (
+    Admit,
+    CTBConfig,
+    CTBScheduler,
+    GroupCancelled,
+    Pause,
+    Resume,
+    RolloutTask,
+    TaskState,
+)
+from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.sim.rollout_cluster import PlacementPolicy
 from tide_megatron.sim.workload import Trajectory
 
@@ -27,64 +37,51 @@ class CTBPolicy(PlacementPolicy):
 
     pinned = True
     decision_tick_s = 0.1
-    """The core `schedule` scans every live task, so the controller runs it on a 100 ms loop
-    rather than after every token-level event; admissions wait 50 ms on average for it."""
+    """The controller runs `schedule` on a 100 ms loop rather than after every token-level
+    event; admissions wait 50 ms on average for it."""
 
-    def __init__(self, config: CTBConfig, budget_tokens: int, unconsumed_fn, lookahead_groups: int = 4):
+    def __init__(self, config: CTBConfig, budget_tokens: int, unconsumed_fn,
+                 clock_fn: Optional[Callable[[float], TrainerClock]] = None,
+                 on_group_cancelled: Optional[Callable[[int], None]] = None):
+        """`clock_fn(now)`: the simulated trainer's clock, which turns on deadline-aware admission
+        and the cancellation of doomed groups (`CTBConfig.deadline_admission`, `cancel_doomed`);
+        `on_group_cancelled(group_id)`: the simulator stops that group's trajectories and books
+        them as wasted (required with `clock_fn`). Without a clock: no deadlines."""
+        if clock_fn is not None and on_group_cancelled is None:
+            raise ValueError("a clock_fn needs on_group_cancelled: CTB may cancel doomed groups")
         self.sched = CTBScheduler(config)
         self.budget = budget_tokens
         self.unconsumed_fn = unconsumed_fn
-        self.lookahead = lookahead_groups
+        self.clock_fn = clock_fn
+        self.on_group_cancelled = on_group_cancelled
         self.trajs: Dict[int, Trajectory] = {}
-        self.waiting: Deque[List[Trajectory]] = deque()  # groups not yet handed to CTB
-        self.group_left: Dict[int, int] = {}
         self.group_members: Dict[int, List[int]] = {}
-        self.queued = 0  # tasks handed to CTB and not yet admitted
 
     # ------------------------------------------------------------------------ task stream
     def submit(self, trajs: List[Trajectory]) -> None:
-        by_group: Dict[int, List[Trajectory]] = {}
+        self.sched.submit(RolloutTask(t.traj_id, t.group_id, t.task_type, t.prompt_tokens, t.is_eval) for t in trajs)
         for t in trajs:
-            by_group.setdefault(t.group_id, []).append(t)
-        for gid, members in by_group.items():
-            if members[0].is_eval:
-                self.waiting.appendleft(members)  # eval first: it gates the weight sync
-            else:
-                self.waiting.append(members)
+            self.trajs[t.traj_id] = t
+            self.group_members.setdefault(t.group_id, []).append(t.traj_id)
 
     def backlog(self) -> int:
-        return sum(len(g) for g in self.waiting) + self.queued
-
-    def _feed(self) -> None:
-        """Hand CTB the next groups when its own queue runs short."""
-        queued = self.queued
-        while self.waiting and queued < self.lookahead * max(1, len(self.waiting[0])):
-            members = self.waiting.popleft()
-            tasks = [RolloutTask(t.traj_id, t.group_id, t.task_type, t.prompt_tokens, t.is_eval) for t in members]
-            self.sched.submit(tasks)
-            for t in members:
-                self.trajs[t.traj_id] = t
-            self.group_left[members[0].group_id] = len(members)
-            self.group_members[members[0].group_id] = [t.traj_id for t in members]
-            queued += len(members)
-            self.queued += len(members)
+        return self.sched.queued_tasks()
 
     # ---------------------------------------------------------------------------- decisions
     def dispatch(self, now: float) -> None:
-        self._feed()
-        decisions = self.sched.schedule(now, unconsumed_trajectories=self.unconsumed_fn())
         c = self.cluster
-        for d in decisions:
-            traj = self.trajs[d.task.task_id]
+        clock = self.clock_fn(now) if self.clock_fn is not None else None
+        for d in self.sched.schedule(now, unconsumed_trajectories=self.unconsumed_fn(), clock=clock):
+            if isinstance(d, GroupCancelled):  # the simulator stops every member (its Cancels follow)
+                self.on_group_cancelled(d.group_id)
+                continue
+            traj = self.trajs.get(d.task.task_id)
             if isinstance(d, Admit):
-                self.queued -= 1
                 c.admit(traj, d.rank, now)
             elif isinstance(d, Resume):
                 c.resume(traj, d.rank, now)
             elif isinstance(d, Pause):
                 c.pause(traj, now)
-        if self.waiting and any(isinstance(d, Admit) for d in decisions):
-            c.kick()  # more groups may fit now that the lookahead moved
 
     # ------------------------------------------------------------------------------- events
     def on_rank_added(self, rank_id: int) -> None:
@@ -105,15 +102,16 @@ class CTBPolicy(PlacementPolicy):
             self.sched.on_turn_finished(traj.traj_id, traj.context + traj.gen[traj.turn])
 
     def on_finished(self, traj: Trajectory) -> None:
-        self.sched.on_task_finished(traj.traj_id, traj.context)
+        """A trajectory ended, or (simulators that cancel stale groups) was cancelled."""
         gid = traj.group_id
-        self.group_left[gid] -= 1
-        if self.group_left[gid] == 0:
-            self._forget_group(gid)
-
-    def _forget_group(self, group_id: int) -> None:
-        """Drop a finished group from the scheduler's tables (see module docstring)."""
-        del self.group_left[group_id]
-        self.sched.forget(group_id)
-        for tid in self.group_members.pop(group_id, []):
-            self.trajs.pop(tid, None)
+        members = self.group_members.get(gid)
+        if members is None:
+            return  # its group was cancelled and forgotten already
+        if getattr(traj, "cancelled", False):  # the cluster stops each member itself
+            self.sched.cancel_group(gid)  # no-op when CTB cancelled the group
+        else:
+            self.sched.on_task_finished(traj.traj_id, traj.context)
+        if all(self.sched.status(t).state in (TaskState.FINISHED, TaskState.CANCELLED) for t in members):
+            self.sched.forget(gid)
+            for tid in self.group_members.pop(gid):
+                self.trajs.pop(tid, None)

@@ -18,8 +18,9 @@ on every rank in the same order. Message kinds (payload keys):
     to reference ranks "ref_step" {num_micro_batches: {dp: n}}, then "ref_mb" {dp, trajectories}
                        -> "ref_done" {report, costs}
     to every rank      "roles" {actor_blocks, ref_ranks, actors_hold_ref} -> "roles_done" {role, times}
-                       "push_weights" {version}, "weights" {manifest}, "save", "load" {path},
-                       "train" {trajectories} (the synchronous baseline), "stop"
+                       "push_weights" {version}, "save", "load" {path},
+                       "train" {trajectories} (the synchronous baseline),
+                       and the typed `comm.messages.LoadWeights` (join the broadcast) and `Stop`
 
 Role changes (`apply`, at the post-update boundary): a leaving actor drops its weights, grads
 and optimizer state (every remaining DP replica holds the same); a joining one restores or
@@ -42,6 +43,7 @@ import torch
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.groups import GroupRegistry
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
+from tide_megatron.comm.messages import LoadWeights, Stop
 from tide_megatron.core.roles import Role
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.models.weight_conversion import load_hf_into_megatron
@@ -246,12 +248,20 @@ class TrainerWorker:
         return self._colocated.run_step(source)
 
     def train(self, trajectories: list[dict[str, Any]]) -> tuple[StepResult, dict[str, float]]:
-        """The synchronous baseline's step: this rank's whole shard ready, colocated."""
+        """The synchronous baseline's step (VeRL-like): this rank's whole shard ready, the
+        reference over all of it, then the actor, both models resident."""
+        actor = self._require_actor()
         trajs = sorted((to_train_trajectory(t) for t in trajectories), key=len, reverse=True)
         micro_batches = pack_micro_batches(trajs, self.cfg.micro_batch_tokens, self.cfg.pad_to_multiple_of)
-        result, report = self.run_step("colocated", micro_batches)
-        return result, {"time/ref_s": report.ref_fwd_s + report.swap_s,
-                        "time/actor_s": report.wall_s - report.ref_fwd_s - report.swap_s,
+        if not micro_batches:
+            micro_batches = [empty_micro_batch(with_ref=self.needs_ref)]
+        t0 = time.perf_counter()
+        if self.needs_ref and micro_batches[0].ref_logprobs is None:
+            self._close_colocated()
+            self.ref.attach_logprobs(micro_batches)
+        t1 = time.perf_counter()
+        result = actor.train_step(micro_batches)
+        return result, {"time/ref_s": t1 - t0, "time/actor_s": time.perf_counter() - t1,
                         "micro_batches": len(micro_batches)}
 
     # ---- one step: reference side --------------------------------------------------------
@@ -288,7 +298,7 @@ class TrainerWorker:
             return 0.0  # rank 0 alone sends; the others join the broadcast from `serve`
         manifest, flat = weight_sync.pack(named, version)
         for dest in range(1, world_size):
-            mailbox.post(dest, "weights", manifest=manifest.to_json())
+            mailbox.post(dest, LoadWeights(manifest.to_json()))
         _, seconds = weight_sync.broadcast_flat(self.job_group, flat, manifest)
         return seconds
 
@@ -321,14 +331,19 @@ class TrainerWorker:
                 outcome = self._handle(msg, mailbox)
                 if outcome != "continue":
                     return None if outcome == "stop" else Role.ROLLOUT
-                if msg["kind"] == "roles":
+                if isinstance(msg, dict) and msg["kind"] == "roles":
                     self._resume.set()  # still a trainer rank: read on
         finally:
             stop.set()
             self._resume.set()
             reader.join(timeout=5)
 
-    def _handle(self, msg: dict[str, Any], mailbox: Mailbox) -> str:
+    def _handle(self, msg: "dict[str, Any] | LoadWeights | Stop", mailbox: Mailbox) -> str:
+        if isinstance(msg, LoadWeights):  # the broadcast itself; trainer ranks drop the buffer
+            weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg.manifest))
+            return "continue"
+        if isinstance(msg, Stop):
+            return "stop"
         kind = msg["kind"]
         if kind == "step":
             result, report = self.run_step(msg["mode"], msg["source"])
@@ -347,14 +362,10 @@ class TrainerWorker:
                 return "rollout"
         elif kind == "push_weights":
             self.push_weights(int(msg["version"]), None, 0)
-        elif kind == "weights":  # the broadcast itself; trainer ranks drop the buffer
-            weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg["manifest"]))
         elif kind == "save":
             self.save()
         elif kind == "load":
             self.load(msg.get("path"))
-        elif kind == "stop":
-            return "stop"
         else:
             raise ValueError(f"trainer rank {self.rank}: unknown message kind {kind!r}")
         return "continue"
@@ -373,6 +384,13 @@ class TrainerWorker:
                 time.sleep(POLL_INTERVAL_S)
                 continue
             for msg in msgs:
+                if isinstance(msg, Stop):
+                    self._resume.clear()
+                    self._commands.put(msg)
+                    continue
+                if isinstance(msg, LoadWeights):
+                    self._commands.put(msg)
+                    continue
                 kind = msg["kind"]
                 if kind == "step":
                     self._sources = {0: self.begin_step(int(msg["num_micro_batches"]))}
@@ -387,7 +405,7 @@ class TrainerWorker:
                 elif kind == "ref_mb":
                     self._sources[int(msg.get("dp", 0))].put(micro_batch_of(msg["trajectories"], pad))
                 else:
-                    if kind in ("roles", "stop"):
+                    if kind == "roles":
                         self._resume.clear()
                     self._commands.put(msg)
 

@@ -10,13 +10,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any
+
+from tide_megatron.utils.console import say
 
 
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0,
                  jsonl: bool = True, tensorboard: bool = True, progress: bool = True):
         os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self._started = time.monotonic()
+        self._steps: list[dict[str, float]] = []  # the few numbers the end-of-run summary needs
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._jsonl = open(self.path, "a") if jsonl else None
         self._tb = None
@@ -34,6 +40,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """One training step's record; advances the progress bar."""
         self.log_at(step, metrics)
+        self._steps.append({k: float(metrics[k]) for k in ("reward/mean", "goodput_tok_s", "consumed_tokens")
+                            if isinstance(metrics.get(k), (int, float))})
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
@@ -53,11 +61,34 @@ class MetricsLogger:
             self._tb.flush()
 
     def write(self, message: str) -> None:
-        """A line on the console that does not break the progress bar."""
-        if self._bar is not None:
-            self._bar.write(message)
-        else:
-            print(message, flush=True)
+        """A line on the console that does not break the progress bar (and in rank 0's log)."""
+        say(message)
+
+    def mark_run_start(self) -> None:
+        """The first dispatch: the run's goodput counts wall time from here (engine start-up excluded)."""
+        self._started = time.monotonic()
+
+    def summary(self, checkpoint_dir: str | None = None) -> list[str]:
+        """The end-of-run lines: steps, wall time, goodput, reward first vs last, where outputs are."""
+        wall = time.monotonic() - self._started
+        lines = [f"done: {len(self._steps)} steps in {wall:.0f} s"]
+        goodputs = [s["goodput_tok_s"] for s in self._steps if "goodput_tok_s" in s]
+        consumed = sum(s.get("consumed_tokens", 0.0) for s in self._steps)
+        if goodputs:
+            lines.append(f"goodput: mean of steps {sum(goodputs) / len(goodputs):.1f} tok/s; "
+                         f"whole run {consumed / wall:.1f} tok/s ({consumed:.0f} consumed tokens)")
+        rewards = [s["reward/mean"] for s in self._steps if "reward/mean" in s]
+        if rewards:
+            lines.append(f"reward/mean: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
+        if self._jsonl:
+            lines.append(f"metrics: {self.path}")
+        if self._tb:
+            tb_dir = os.path.join(self.output_dir, "tensorboard")
+            lines.append(f"tensorboard: {tb_dir}  (open: tensorboard --logdir {tb_dir})")
+        if checkpoint_dir:
+            lines.append(f"checkpoints: {checkpoint_dir}")
+        lines.append(f"logs: {os.path.join(self.output_dir, 'logs')}")
+        return lines
 
     def close(self) -> None:
         if self._jsonl:
@@ -66,6 +97,7 @@ class MetricsLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        self._jsonl = self._tb = self._bar = None
 
 
 def _jsonable(value: Any) -> Any:

@@ -119,17 +119,19 @@ def test_paused_task_resumes_and_matches_an_unpaused_run_under_greedy_decoding(s
 
 def test_dispatcher_rollout_on_the_engine_respects_the_kv_budget(stack):
     from tide_megatron.core.ctb import CTBConfig, TaskState
-    from tide_megatron.rollout.ctb_dispatcher import CTBDispatchConfig, CTBDispatcher
+    from tide_megatron.rollout.ctb_config import CTBDispatchConfig
     from tide_megatron.rollout.ctb_rollout import LocalCTBRollout
     from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner
     from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
 
     engine, chat, env = stack
     engines = {0: engine}
-    d = CTBDispatcher(CTBDispatchConfig(max_resident_tasks_per_rank=8, kv_budget_fraction=0.5,
-                                        policy=CTBConfig(probe_turn_reserve_tokens=48, staleness_throttle=False)),
-                      engines)
     runner = CTBTaskRunner(TaskRunnerConfig(max_turns=3, max_context_tokens=512, max_new_tokens=8), engines, chat, env)
+    rollout = LocalCTBRollout(CTBDispatchConfig(max_resident_tasks_per_rank=8, kv_budget_fraction=0.5,
+                                                policy=CTBConfig(probe_turn_reserve_tokens=48, staleness_throttle=False)),
+                              runner)
+    d = rollout.dispatcher
+    hard_water = d.policy.config.hard_water
     peak = {"used": 0}
     original = d.schedule
 
@@ -138,7 +140,7 @@ def test_dispatcher_rollout_on_the_engine_respects_the_kv_budget(stack):
         used, budget = d.policy.rank_usage(0)
         # Above the budget only tasks protected from pausing (last turn, out of pauses) remain,
         # and never beyond hard water.
-        assert used <= budget * d.cfg.hard_water or len(d.policy.residents(0)) == 1
+        assert used <= budget * hard_water or len(d.policy.residents(0)) == 1
         peak["used"] = max(peak["used"], used)
         return out
 
@@ -149,7 +151,7 @@ def test_dispatcher_rollout_on_the_engine_respects_the_kv_budget(stack):
         specs = await env.list_tasks("door_game", "train", limit=3)
         assignments = [TaskAssignment(task=s.to_json(), group_id=f"g{i}", index=j, is_eval=(i == 2))
                        for i, s in enumerate(specs) for j in range(4)]
-        trajs = await LocalCTBRollout(d, runner).run(assignments, prompt_tokens=100)
+        trajs = await rollout.run(assignments, prompt_tokens=100)
         await env.close()
         await engine.flush_cache()
         return trajs
@@ -157,7 +159,7 @@ def test_dispatcher_rollout_on_the_engine_respects_the_kv_budget(stack):
     trajs = _run(engine, go())
     assert len(trajs) == 12 and not d.policy.audit()
     assert len(d.policy.tasks_in(TaskState.FINISHED)) == 12
-    assert 0 < peak["used"] <= 1024 * d.cfg.hard_water
+    assert 0 < peak["used"] <= 1024 * hard_water
     assert d.rank_kv[0]["plugin"] == "tide_ctb"
     assert sum(t.cached_tokens for t in trajs) > 0
 
@@ -197,3 +199,50 @@ def test_closing_a_ctb_session_leaves_its_whole_context_cached(stack):
     # Untagged sessions keep SGLang's own behaviour: only the first prompt survives the close.
     _context, cached_plain, _ = _run(engine, go(tagged=False))
     assert cached_plain < context - 20, (cached_plain, context)
+
+
+def test_request_rows_are_held_as_ctb_assumes(stack):
+    """The row rule CTB's resident cap rests on (`rollout/ctb_config.py`, `benchmarks/ctb_rows.py`):
+    max_running_requests rows; an open streaming session holds one between turns and its turns
+    borrow it; a turn is admitted only while some row is free; closing a session frees its row."""
+    from sglang_patches.task_tag import ADMIT, TURN, TaskTag
+    from tide_megatron.rollout.ctb_task_runner import generate_tagged
+
+    engine, _chat, _env = stack
+    rows = engine.cfg.max_running_requests
+    greedy = {"max_new_tokens": 2, "temperature": 0}
+
+    def tag(kind, tid):
+        return TaskTag(kind, tid, tid.split("/")[0], False, 1.0, 32, 8)
+
+    async def go():
+        _g, report = await generate_tagged(engine, list(range(30, 50)), greedy, tag(ADMIT, "plain/0"), None)
+        assert report["rows_total"] == rows and report["rows_free"] == rows  # a one-shot request gave its row back
+        sessions = []
+        for k in range(rows - 1):
+            sid = await engine.open_session(1024)
+            g, report = await generate_tagged(engine, [40 + k] * 12, greedy, tag(ADMIT, f"s{k}/0"), {"id": sid})
+            sessions.append([sid, g.rid])
+            assert report["rows_free"] == rows - 1 - k  # one row per open session
+
+        async def next_turn(k):
+            sid, rid = sessions[k]
+            g, rep = await generate_tagged(engine, [7, 8], greedy, tag(TURN, f"s{k}/0"), {"id": sid, "rid": rid})
+            sessions[k][1] = g.rid
+            return rep["rows_free"]
+
+        # rows - 1 sessions open: every next turn runs, borrowing its own row (one stays free).
+        assert set(await asyncio.gather(*(next_turn(k) for k in range(rows - 1)))) == {1}
+        last = await engine.open_session(1024)
+        _g, report = await generate_tagged(engine, [99] * 12, greedy, tag(ADMIT, "last/0"), {"id": last})
+        assert report["rows_free"] == 0
+        stalled = asyncio.get_running_loop().create_task(next_turn(0))
+        done, _ = await asyncio.wait([stalled], timeout=5.0)
+        assert not done, "a session turn ran with no free row: SGLang's admission rule changed, re-measure"
+        await engine.close_session(last)
+        assert await asyncio.wait_for(stalled, 120) == 1  # ran once a row was free, on its own row
+        for sid, _rid in sessions:
+            await engine.close_session(sid)
+        await engine.flush_cache()
+
+    _run(engine, go())

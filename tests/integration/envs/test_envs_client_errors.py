@@ -17,10 +17,11 @@ def test_server_down_names_address_and_call():
     port = free_port()
 
     async def main():
-        client = EnvClient(EnvClientConfig(port=port, connect_timeout_s=2))
+        client = EnvClient(EnvClientConfig(port=port, connect_timeout_s=2, max_retries=2, backoff_initial_s=0.05))
         with pytest.raises(EnvServerDown) as e:
             await client.reset("door_game", "train/0", "t")
-        assert f"127.0.0.1:{port}" in str(e.value) and e.value.call == "connect"
+        assert f"127.0.0.1:{port}" in str(e.value) and e.value.call == "reset(env=door_game, task=train/0, trajectory=t)"
+        assert "cannot connect" in e.value.detail and "gave up after 3 attempts" in e.value.detail
     asyncio.run(main())
 
 
@@ -35,7 +36,7 @@ def test_slow_step_past_timeout_raises_env_timeout():
                 first = await client.reset("door_game", "train/0", "t")
                 with pytest.raises(EnvTimeout) as e:
                     await client.step(first.session_id, "red")
-                assert e.value.timeout_s == 0.3 and f"step(session={first.session_id})" in str(e.value)
+                assert e.value.timeout_s == 0.3 and f"step(env=door_game, task=train/0, session={first.session_id})" in str(e.value)
                 # The connection survives a timeout; other calls still work.
                 assert (await client.ping())["server"] == "tide-env"
     asyncio.run(main())
@@ -50,11 +51,6 @@ def test_server_busy_past_max_sessions():
                     await client.reset("door_game", "train/0", "b")
                 assert e.value.kind == "ServerBusy"
     asyncio.run(main())
-
-
-def test_non_loopback_bind_needs_allow_remote():
-    with pytest.raises(ValueError, match="allow_remote"):
-        EnvServer(EnvServerConfig(host="0.0.0.0"))
 
 
 def test_bad_request_gets_an_error_reply_not_a_dropped_connection():

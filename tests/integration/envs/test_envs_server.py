@@ -150,7 +150,7 @@ def test_sigterm_stops_the_server_cleanly():
         assert proc.stop() == 0  # SIGTERM, graceful exit
         with pytest.raises(EnvServerDown) as e:
             await client.step(first.session_id, "red")
-        assert proc.address in str(e.value) and "step(session=" in str(e.value)
+        assert proc.address in str(e.value) and "step(env=door_game, task=train/0, session=" in str(e.value)
         await client.close()
     asyncio.run(main())
 

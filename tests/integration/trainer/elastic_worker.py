@@ -115,6 +115,7 @@ def change_roles(worker, mailbox, new, world: int) -> dict:
 
 def serve_until_stopped(worker, mailbox) -> list[dict]:
     """A rank other than 0: trainer loop, and the rollout stand-in while it is ROLLOUT."""
+    from tide_megatron.comm.messages import Stop
     from tide_megatron.trainer.assignment import TrainerAssignment
 
     transitions = []
@@ -125,7 +126,7 @@ def serve_until_stopped(worker, mailbox) -> list[dict]:
                 time.sleep(0.005)
                 continue
             msg = msgs[0]
-            if msg["kind"] == "stop":
+            if isinstance(msg, Stop):
                 return transitions
             if msg["kind"] != "roles":
                 raise RuntimeError(f"a rollout stand-in got {msg['kind']!r}")
@@ -138,8 +139,10 @@ def serve_until_stopped(worker, mailbox) -> list[dict]:
 
 
 def _stop_all(mailbox, world: int) -> None:
+    from tide_megatron.comm.messages import Stop
+
     for r in range(1, world):
-        mailbox.post(r, "stop")
+        mailbox.post(r, Stop())
 
 
 def scenario_single(rank, registry, mailbox, hf_dir, out_dir) -> dict:

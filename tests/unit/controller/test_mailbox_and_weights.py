@@ -7,20 +7,45 @@ import threading
 import torch
 import torch.distributed as dist
 
+import pytest
+
 from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import Heartbeat, RunTask, TaskAssignment, TrajectoryDone
 from tide_megatron.comm.weight_sync import WeightManifest, pack, unpack
+from tide_megatron.core.trajectory import Segment, Trajectory
 
 
 def test_messages_arrive_in_order_once():
     store = dist.HashStore()
     rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
     for i in range(5):
-        rank0.post(1, "task", i=i)
-    rank1.post(0, "ready")
+        rank0.post(1, "train", i=i)
+    rank1.post(0, "trained")
     got = rank1.poll()
     assert [m["i"] for m in got] == list(range(5)) and all(m["src"] == 0 for m in got)
     assert rank1.poll() == []
-    assert rank0.poll() == [{"kind": "ready", "src": 1}]
+    assert rank0.poll() == [{"kind": "trained", "src": 1}]
+
+
+def test_typed_messages_round_trip_with_their_sender():
+    store = dist.HashStore()
+    rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
+    a = TaskAssignment({"env": "door_game", "task_id": "t1"}, "g0v0", 2, attempt=1)
+    rank0.post(1, RunTask(a, {"priority": 1.5}))
+    traj = Trajectory("g0v0", 2, "t1", 3, 5, 4, 1.0, token_ids=list(range(9)), loss_mask=[0] * 5 + [1] * 4,
+                      logprobs=[0.0] * 5 + [-0.5] * 4, segments=[Segment(5, 7, 3), Segment(7, 9, 4)])
+    rank1.post(0, TrajectoryDone(traj))
+    rank1.post(0, Heartbeat(generated_tokens=4, running_tokens=0, running_tasks=0, env_steps=2))
+    (run,) = rank1.poll()
+    assert isinstance(run, RunTask) and run.assignment == a and run.tag == {"priority": 1.5} and run.src == 0
+    done, beat = rank0.poll()
+    assert done.trajectory == traj and done.trajectory.versions == [3, 4] and done.src == 1
+    assert beat.env_steps == 2 and beat.src == 1
+
+
+def test_a_typed_kind_cannot_be_posted_as_a_loose_dict():
+    with pytest.raises(TypeError, match="RunTask"):
+        Mailbox(dist.HashStore(), 0).post(1, "task", assignment={})
 
 
 def test_concurrent_senders_lose_nothing():
@@ -30,7 +55,7 @@ def test_concurrent_senders_lose_nothing():
 
     def send(mb):
         for i in range(50):
-            mb.post(0, "trajectory", i=i)
+            mb.post(0, "trained", i=i)
 
     threads = [threading.Thread(target=send, args=(s,)) for s in senders]
     for t in threads:

@@ -137,7 +137,7 @@ def test_live_token_reports_and_abort_feed_the_ledger():
     b.record_tokens("g", 1, 7)
     assert b.ledger.in_flight == 11
     assert b.abort_trajectory("g", 1) == 7
-    assert b.ledger.lost == 7
+    assert b.ledger.failed == 7 and b.ledger.lost == 0
     b.add_trajectory(traj("g", 0, gen=10), 1.0)   # 6 more than reported live
     b.add_trajectory(traj("g", 1, gen=3), 1.0)    # the retry
     assert b.ledger.generated == 4 + 7 + 6 + 3 and b.ledger.ready == 13 and b.ledger.balanced
@@ -154,7 +154,37 @@ def test_doomed_and_abandoned_groups_are_recorded():
     assert b.doomed_groups(consumer_version=1) == []
     assert b.doomed_groups(consumer_version=2) == ["g"]
     assert b.abandon_group("g", 3.0, stale=True, consumer_version=2) == 5
-    assert b.records["g"].fate is GroupFate.DROPPED_STALE and b.ledger.dropped_stale == 5 and b.ledger.balanced
+    assert b.records["g"].fate is GroupFate.CANCELLED and b.ledger.cancelled == 5 and b.ledger.wasted == 5
+
+
+def test_a_group_is_doomed_from_its_admission_version():
+    b = buffer(max_staleness=1)
+    b.open_group("g", "t", 0.0, admitted_version=3)   # nothing finished yet
+    assert b.doomed_groups(consumer_version=4) == [] and b.doomed_groups(consumer_version=5) == ["g"]
+    b.open_group("f", "t", 0.0, admitted_version=3)
+    b.add_trajectory(traj("f", 0, version=3, gen=6), 1.0)
+    assert b.fail_group("f", 2.0) == 6
+    assert b.records["f"].fate is GroupFate.FAILED and b.ledger.failed == 6 and b.ready_trajectories() == 0
+
+
+def test_task_attempts_and_unbooked_tokens_land_in_their_buckets():
+    led = TokenLedger()
+    led.book_attempt(5, fate="failed")
+    led.book_attempt(3, fate="cancelled")
+    led.lose(2)
+    assert (led.failed, led.cancelled, led.lost, led.generated, led.wasted) == (5, 3, 2, 10, 10)
+    with pytest.raises(LedgerError):
+        led.book_attempt(1, fate="consumed")
+
+
+def test_fetch_takes_the_group_closest_to_its_staleness_bound_first():
+    b = buffer(max_staleness=1, group_size=2)
+    b.add_trajectory(traj("new0", 0, version=4), 0.0)
+    b.add_trajectory(traj("new0", 1, version=4), 0.0)     # completes first, version 4
+    b.add_trajectory(traj("old0", 0, version=3), 1.0)
+    b.add_trajectory(traj("old0", 1, version=3), 1.0)     # completes later, version 3: nearer its bound
+    taken = b.fetch(consumer_version=4, now=2.0, max_trajectories=2)
+    assert [g.group_id for g in taken] == ["old0"]
 
 
 def test_head_of_line_latency_and_step_readiness():
@@ -180,7 +210,9 @@ def test_ledger_rejects_impossible_moves():
     with pytest.raises(LedgerError):
         led.consume(1)
     with pytest.raises(LedgerError):
-        led.lose(6)
+        led.fail(6)
+    with pytest.raises(LedgerError):
+        led.lose(-1)
     led.complete(5)
     led.consume(5)
     assert led.balanced and led.consumed == 5
@@ -374,6 +406,24 @@ def test_random_workload_keeps_every_invariant(seed, staleness, retention):
         assert len(g) == G and all(v - t.policy_version <= staleness for t in g.trajectories)
     assert completed == set(buf.records) | {g.group_id for g in buf.ready_groups()}
     assert buf.ledger.in_flight == 0
-    assert buf.ledger.consumed + buf.ledger.dropped_stale + buf.ledger.lost == buf.ledger.generated
+    assert buf.ledger.consumed + buf.ledger.dropped_stale + buf.ledger.failed == buf.ledger.generated
     assert sum(g.generated_tokens for _, g in consumed) == buf.ledger.consumed
     assert consumed, "the workload must exercise consumption"
+
+
+def test_a_step_keeps_room_for_groups_on_their_last_chance():
+    """Younger groups that finish first must not push an older group past its bound."""
+    b = buffer(max_staleness=1, group_size=2, b_min=4, b_ideal=4)
+    b.open_group("old", "t", 0.0, admitted_version=3)          # consumer 4 is its last fresh chance
+    for gid in ("y1", "y2"):
+        b.open_group(gid, "t", 0.0, admitted_version=4)
+        b.add_trajectory(traj(gid, 0, version=4), 1.0)
+        b.add_trajectory(traj(gid, 1, version=4), 1.0)
+    assert b.last_chance_reserve(4) == 2 and b.fetchable_trajectories(4) == 2
+    assert b.fetch_batch(4, 2.0) is None  # only one younger group fits beside the old one: wait
+    taken = b.fetch(4, 2.0, max_trajectories=4)
+    assert [g.group_id for g in taken] == ["y1"]      # the other slot stays reserved
+    b.add_trajectory(traj("old", 0, version=3), 3.0)
+    b.add_trajectory(traj("old", 1, version=3), 3.0)
+    assert [g.group_id for g in b.fetch(4, 4.0, max_trajectories=2)] == ["old"]
+    assert b.records["old"].fate is GroupFate.CONSUMED and b.ledger.wasted == 0

@@ -1,9 +1,11 @@
+import math
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tide_megatron.core.ctb import PAPER_RULES
 from tide_megatron.core import (
     Admit,
     CTBConfig,
@@ -22,7 +24,7 @@ def group(gid, n=4, *, ttype="web", prompt=500, is_eval=False):
 
 def sched(ranks=(0,), **kw):
     base = dict(rank_token_budget=10_000, env_concurrency=100, trainer_batch_trajectories=1000,
-                probe_turn_reserve_tokens=500, context_norm_tokens=10_000)
+                probe_turn_reserve_tokens=500, context_norm_tokens=10_000, **PAPER_RULES)
     base.update(kw)
     return CTBScheduler(CTBConfig(**base), ranks)
 
@@ -301,8 +303,15 @@ def test_random_rollout_never_overfills_ranks_and_never_loses_tasks(seed, n_rank
         elif (running or s.tasks_in(TaskState.PAUSED)) and roll < 0.85:
             pool = running + s.tasks_in(TaskState.PAUSED)
             tid = rng.choice(pool)
-            s.on_task_finished(tid)
-            finished.add(tid)
+            if rng.random() < 0.8:
+                s.on_task_finished(tid)
+                finished.add(tid)
+            else:  # a failure: retried from scratch, or its whole group given up
+                s.on_task_failed(tid)
+                if rng.random() < 0.6:
+                    s.requeue(tid)
+                else:
+                    s.cancel_group(s.status(tid).task.group_id)
         elif roll < 0.93 and len(s.ranks) > 1:
             victim = rng.choice(s.ranks)
             before = set(s.residents(victim))
@@ -357,3 +366,94 @@ def test_forget_drops_a_finished_group_and_refuses_an_unfinished_one():
     assert s.audit() == [] and s.counts()["finished"] == 0
     with pytest.raises(ValueError):
         s.forget("b")                      # queued tasks are work, not history
+
+
+def _running_pair(confirm_release=False, **kw):
+    s = CTBScheduler(CTBConfig(rank_token_budget=10_000, env_concurrency=100, trainer_batch_trajectories=1000,
+                               probe_turn_reserve_tokens=500, context_norm_tokens=10_000, **PAPER_RULES, **kw),
+                     (0,), confirm_release=confirm_release)
+    s.submit(group("g", 2, prompt=100))
+    s.schedule(0.0)
+    s.on_turn_finished("g/0", 800)
+    s.schedule(1.0)
+    return s
+
+
+def test_a_failed_task_frees_what_it_held_and_restarts_from_scratch_when_requeued():
+    s = _running_pair()
+    s.on_turn_started("g/1", 900)
+    s.on_task_failed("g/1")
+    assert s.status("g/1").state is TaskState.FAILED and s.rank_usage(0)[0] == 800
+    assert s.schedule(2.0) == []  # a failed task waits for the caller's decision
+    with pytest.raises(ValueError):
+        s.on_task_failed("g/1")
+    s.requeue("g/1")
+    st_ = s.status("g/1")
+    assert st_.state is TaskState.QUEUED and st_.context_tokens is None and st_.turns_done == 0
+    ds = s.schedule(3.0)
+    assert admitted(ds) == ["g/1"] and ds[0].estimated_tokens == 800  # the group's measured footprint
+    assert s.audit() == []
+
+
+def test_a_failed_probe_is_probed_again():
+    s = sched()
+    s.submit(group("g", 3, prompt=100))
+    s.schedule(0.0)
+    s.on_task_failed("g/0")
+    s.requeue("g/0")
+    assert admitted(s.schedule(1.0)) == ["g/0"]  # still the probe: nobody else until it measures a turn
+    s.on_turn_finished("g/0", 700)
+    assert admitted(s.schedule(2.0)) == ["g/1", "g/2"]
+
+
+def test_cancel_group_stops_running_and_paused_tasks_and_forgets_queued_ones():
+    s = sched(rank_token_budget=3000, max_staleness=0, trainer_batch_trajectories=4)  # one group at a time
+    s.submit(group("g", 4, prompt=100) + group("h", 4, prompt=100))
+    s.schedule(0.0)
+    s.on_turn_finished("g/0", 1000)
+    s.schedule(1.0)  # g/1 and g/2 fit (3000), g/3 queued
+    s.on_turn_started("g/1", 1400)  # 3400 > 3000: g/2 (waiting) paused
+    paused = [d.task.task_id for d in s.schedule(2.0) if isinstance(d, Pause)]
+    assert paused == ["g/2"]
+    s.on_task_finished("g/0")
+    cancels = s.cancel_group("g")
+    assert [(c.task.task_id, c.rank) for c in cancels] == [("g/1", 0), ("g/2", None)]
+    assert {t: s.status(t).state for t in ("g/0", "g/1", "g/2", "g/3")} == {
+        "g/0": TaskState.FINISHED, "g/1": TaskState.CANCELLED, "g/2": TaskState.CANCELLED, "g/3": TaskState.CANCELLED}
+    assert s.cancel_group("g") == [] and s.rank_usage(0)[0] == 0
+    assert admitted(s.schedule(3.0)) == ["h/0"]  # the throttle's room came back with the cancel
+    assert sorted(s.forget("g")) == ["g/0", "g/1", "g/2", "g/3"] and s.audit() == []
+    with pytest.raises(ValueError):
+        s.submit(group("h", 1))  # h/0 exists: ids stay unique
+
+
+def test_with_confirmed_release_a_cancelled_task_holds_its_booking_until_released():
+    s = _running_pair(confirm_release=True)
+    (cancel_g1, cancel_g0) = sorted(s.cancel_group("g"), key=lambda c: c.task.task_id, reverse=True)
+    assert s.rank_usage(0)[0] == 0 and s.rank_releasing(0) == (1600, 2)
+    with pytest.raises(ValueError):
+        s.forget("g")  # not released yet
+    s.on_released(0, "g/0")
+    s.on_released(0, "g/1")
+    s.on_released(0, "g/1")  # a repeated confirmation is harmless
+    assert s.rank_releasing(0) == (0, 0) and sorted(s.forget("g")) == ["g/0", "g/1"] and s.audit() == []
+
+
+def test_removing_a_rank_drops_its_pending_releases_and_frees_tasks_waiting_for_it():
+    s = CTBScheduler(CTBConfig(rank_token_budget=2000, probe_turn_reserve_tokens=100, staleness_throttle=False,
+                               move_after_s=math.inf, low_water=1.0), (0, 1), confirm_release=True)
+    s.set_accepting(1, False)
+    s.submit(group("a", 1, prompt=100) + group("b", 1, prompt=100))
+    s.schedule(0.0)
+    s.on_turn_finished("a/0", 1200)
+    s.on_turn_finished("b/0", 1000)
+    assert [d.task.task_id for d in s.schedule(1.0) if isinstance(d, Pause)] == ["b/0"]
+    s.set_accepting(1, True)
+    assert s.schedule(2.0) == []  # b waits for rank 0 (move_after_s = inf), which is full
+    requeued = s.remove_rank(0)
+    assert [r.task.task_id for r in requeued] == ["a/0"]
+    resumed = {d.task.task_id: d.rank for d in s.schedule(3.0) if isinstance(d, Resume)}
+    assert resumed == {"a/0": 1} and s.status("b/0").state is TaskState.PAUSED  # 1200 + 1000 > 2000
+    s.on_task_finished("a/0")
+    assert {d.task.task_id: d.rank for d in s.schedule(4.0) if isinstance(d, Resume)} == {"b/0": 1}
+    assert s.audit() == []

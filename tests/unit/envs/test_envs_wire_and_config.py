@@ -5,7 +5,7 @@ import pytest
 from tide_megatron.envs.config import EnvConfig, EnvServerConfig, LatencyConfig, config_from_dict, config_to_dict
 from tide_megatron.envs.protocol import ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.wire import (
-    Request, Response, WireError, decode_request, decode_response, encode_request, encode_response,
+    Request, Response, WireError, decode_request, decode_response, encode_request, encode_response, leading_id,
 )
 
 
@@ -68,10 +68,10 @@ def test_every_config_field_has_a_docstring():
     import ast
     import inspect
 
-    from tide_megatron.envs import config as config_module
+    from tide_megatron.envs import config, env_config
 
-    tree = ast.parse(inspect.getsource(config_module))
-    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+    classes = [n for m in (config, env_config) for n in ast.parse(inspect.getsource(m)).body if isinstance(n, ast.ClassDef)]
+    for cls in classes:
         body = cls.body
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign):
@@ -95,3 +95,39 @@ def test_any_json_request_round_trips_on_one_ascii_line(req_id, op, args):
     line = encode_request(Request(req_id, op, args))
     assert line.isascii() and line.count(b"\n") == 1
     assert decode_request(line) == Request(req_id, op, args)
+
+
+@pytest.mark.parametrize("line, detail", [
+    (b'{"id": 5, "op": "ping", "args": {"x": ' + b"[" * 40 + b"]" * 40 + b"}}\n", "max_depth=32"),
+    (b'{"id": 5, "op": "ping", "args": {"x": ' + b"[" * 3000 + b"]" * 3000 + b"}}\n", "max_depth=32"),
+    (b'{"id": 5, "op": "ping", "args": {"x": ' + b"7" * 5000 + b"}}\n", "a number of 5000 characters"),
+    (b'{"id": 5, "op": "ping", "args": {"x": NaN}}\n', "NaN is not a number JSON allows"),
+    (b'{"id": 5, "op": "ping", "args": {"x": -Infinity}}\n', "Infinity is not a number JSON allows"),
+    (b'{"id": 5, "op": "ping", "args": {"x": 1e999}}\n', "overflows to infinity"),
+    (b'{"id": 5, "op": "ping", "args": {"x": }\n', "not JSON"),
+])
+def test_request_limits_are_refused_with_the_request_id(line, detail):
+    with pytest.raises(WireError, match=detail) as e:
+        decode_request(line)
+    assert e.value.request_id == 5
+
+
+def test_limits_are_configurable_and_ordinary_messages_pass():
+    deep = b'{"id": 1, "op": "ping", "args": {"x": [[[[1]]]]}}\n'
+    assert decode_request(deep).args == {"x": [[[[1]]]]}
+    with pytest.raises(WireError, match="max_depth=4"):
+        decode_request(deep, max_depth=4)
+    with pytest.raises(WireError, match="max_number_digits=3"):
+        decode_request(b'{"id": 1, "op": "ping", "args": {"x": 1234}}\n', max_number_digits=3)
+    assert leading_id(b'{"id":42,"op":"step","args":{"action":"') == 42 and leading_id(b"[1]") is None
+
+
+def test_a_reply_holding_nan_fails_its_call_only():
+    line = b'{"id": 9, "ok": true, "result": {"observation": "o", "reward": NaN, "info": {"x": [1, Infinity]}}}\n'
+    with pytest.raises(WireError, match=r"non-finite number \(NaN or infinity\) at result.reward") as e:
+        decode_response(line)
+    assert e.value.request_id == 9
+    with pytest.raises(WireError, match=r"at result.info.x\[1\]"):
+        decode_response(b'{"id": 9, "ok": true, "result": {"info": {"x": [1, -Infinity]}}}\n')
+    with pytest.raises(ValueError, match="finite"):
+        StepResult.from_json({"observation": "o", "reward": float("inf"), "done": False, "info": {}, "latency_s": 0})

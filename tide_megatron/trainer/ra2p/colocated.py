@@ -141,7 +141,11 @@ class ColocatedExecutor:
         while True:
             if not processed:
                 # Everything ready now (at least one: blocks for an arrival), up to the limit.
-                candidates = pending or source.take_ready(limit)
+                if pending:
+                    candidates = pending
+                else:
+                    candidates = source.take_ready(limit)
+                    timer.exclude(source.last_wait_s)  # waiting for an arrival is not backward
                 if not candidates:
                     return
                 n = self._agree_round_size(len(candidates)) if limit > 1 else 1

@@ -162,9 +162,10 @@ class DecoupledActorExecutor:
         self.cfg = cfg
         self.meter = meter
 
-    def _feed(self, source: MicroBatchSource) -> Iterable[MicroBatch]:
+    def _feed(self, source: MicroBatchSource, timer: ActorPassTimer) -> Iterable[MicroBatch]:
         need_ref = self.actor.cfg.kl_coef != 0.0
         for tag, mb in enumerate(iterate(source)):
+            timer.exclude(source.last_wait_s)  # waiting for an arrival is not backward
             mb = dataclasses.replace(mb)
             if need_ref:
                 mb.ref_logprobs = self.stream.recv(tuple(mb.token_ids.shape), self.cfg.ref_rank, tag)
@@ -182,7 +183,7 @@ class DecoupledActorExecutor:
             with ActorPassTimer(self.actor.model) as timer:
                 # The receive of micro-batch i is posted when Megatron pulls it, just before its
                 # forward; the Ref may already have sent it (gloo buffers unmatched sends).
-                reports = self.actor.forward_backward_iter(iter(self._feed(source)), n)
+                reports = self.actor.forward_backward_iter(iter(self._feed(source, timer)), n)
         finally:
             self.actor.cfg = saved_cfg
         report.ref_wait_s = sum(float(r.get("ref_wait_s", 0.0)) for r in reports)

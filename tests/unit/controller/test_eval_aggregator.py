@@ -5,8 +5,8 @@ from tide_megatron.rollout.task_runner import TaskAssignment, Trajectory
 
 
 def _traj(group, index, reward, version):
-    return Trajectory(group_id=group, index=index, task={}, is_eval=True, token_ids=[], loss_mask=[], logprobs=[],
-                      reward=reward, turns=1, policy_version=version)
+    return Trajectory(group_id=group, index=index, task_id="t", policy_version=version, prompt_tokens=3,
+                      generated_tokens=2, reward=reward, is_eval=True, turns=1)
 
 
 def test_metrics_per_version_best_of_n_and_pass_rate():
@@ -36,3 +36,14 @@ def test_trajectory_caught_by_a_sync_counts_for_the_version_it_was_submitted_for
     partial.record(_traj("x", 0, 1.0, 5))
     m = partial.pop(5, partial=True)
     assert not m.complete and m.trajectories == 1 and m.expected == 3
+
+
+def test_an_abandoned_eval_group_lets_the_evaluation_complete_without_it():
+    agg = EvalAggregator()
+    agg.expect(2, [TaskAssignment(task={}, group_id=g, index=i, is_eval=True) for g in ("a", "b") for i in range(2)])
+    agg.record(_traj("a", 0, 1.0, 2))
+    agg.record(_traj("a", 1, 0.0, 2))
+    agg.record(_traj("b", 0, 1.0, 2))
+    agg.abandon(2, ["b/0", "b/1"])  # group b failed past its retries
+    m = agg.pop(2)
+    assert m is not None and m.trajectories == 2 and m.groups == 1 and m.mean_reward == pytest.approx(0.5)

@@ -1,0 +1,215 @@
+"""End-to-end goodput of every scheduling mode on the real stack (real SGLang, real Megatron-core).
+
+The same recipe, model, task stream, seeds, rank count and number of consumed groups for every
+mode, with a long-tailed env latency on (rare slow steps, slow tasks, injected retry turns):
+
+- sync (VeRL-like), async_static (AReaL-like) and stream (StreamRL-like) at every split of the
+  ranks the real system allows, and tide (CTB + RA2P);
+- `--reps` repetitions, in alternating order (forward, then reversed), so a drift of the shared
+  machine's load does not favour one mode; ratios are taken within each repetition.
+
+Per run: run goodput (consumed generated tokens / wall time from the first dispatch to the end,
+the final checkpoint included), mean step goodput, RWT + TWT, wasted-token share (dropped as
+stale, cancelled, failed or lost over generated), prefix-cache hit rate, reward by step.
+Prints a table and writes benchmarks/results/e2e_goodput_cpu.json (command, machine, date,
+figures).
+
+    python benchmarks/e2e_goodput.py                 # 2 ranks, 8 steps, 2 repetitions
+    python benchmarks/e2e_goodput.py --ranks 3 --steps 6 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A long tail: per-task speed spread, rare 20x stalls, injected retry turns. Env waits dominate
+# a turn's time, as with remote web/desktop environments.
+LATENCY = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.latency.step_median_s=0.2",
+           "envs.server.envs.0.latency.step_sigma=0.6", "envs.server.envs.0.latency.task_speed_sigma=0.6",
+           "envs.server.envs.0.latency.slow_step_prob=0.02", "envs.server.envs.0.latency.slow_step_factor=20",
+           "envs.server.envs.0.latency.extra_turns_mean=0.5", "envs.server.envs.0.latency.reset_median_s=0.1"]
+
+
+def splits(mode: str, ranks: int) -> list[dict[str, int]]:
+    """(rollout ranks, reference ranks) the real system runs for `mode` on `ranks` ranks."""
+    out = []
+    for rollout in range(1, ranks):
+        for ref in ((0, 1) if mode == "tide" else (0,)):
+            actors = ranks - rollout - ref
+            if actors < 1 or (mode != "sync" and actors != 1):
+                continue  # streaming modes train on one actor rank in this version
+            out.append({"rollout": rollout, "ref": ref, "actors": actors})
+    return out
+
+
+def configs(modes: list[str], ranks: int) -> list[dict]:
+    out = []
+    for mode in modes:
+        for split in splits(mode, ranks):
+            label = mode if len(splits(mode, ranks)) == 1 else f"{mode}[r{split['rollout']}f{split['ref']}]"
+            out.append({"label": label, "mode": mode, **split})
+    return out
+
+
+def run_one(cfg: dict, args, out_dir: Path) -> dict:
+    overrides = ["+recipe=tiny_cpu", f"scheduler.mode={cfg['mode']}", f"cluster.rollout_ranks={cfg['rollout']}",
+                 f"cluster.ref_ranks={cfg['ref']}", f"run.steps={args.steps}", "run.checkpoint_interval=0",
+                 "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
+                 f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={args.seed}", *LATENCY,
+                 *args.overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+           str(REPO / "launch" / "train.py"), *overrides]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wall = time.time() - started
+    if proc.returncode != 0:
+        return {"label": cfg["label"], "failed": True, "wall_s": wall, "error": proc.stderr[-1500:]}
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+            if "eval/mean_reward" not in line]
+    last = rows[-1]
+    cached = sum(r["prefix_cache/cached_tokens"] for r in rows)
+    prompt = sum(r["prefix_cache/prompt_tokens"] for r in rows)
+    return {
+        "label": cfg["label"], "mode": cfg["mode"], "split": {k: cfg[k] for k in ("actors", "ref", "rollout")},
+        "failed": False,
+        "steps": len(rows),
+        "consumed_tokens": sum(r["consumed_tokens"] for r in rows),
+        "run_goodput_tok_s": last["run_goodput_tok_s"],
+        "mean_step_goodput_tok_s": statistics.fmean(r["goodput_tok_s"] for r in rows),
+        "rwt_plus_twt_s": sum(r["rwt_s"] + r["twt_s"] for r in rows),
+        "rwt_s": sum(r["rwt_s"] for r in rows),
+        "twt_s": sum(r["twt_s"] for r in rows),
+        "wasted_share": last["ledger/wasted"] / last["ledger/generated"] if last["ledger/generated"] else 0.0,
+        "wasted_tokens": last["ledger/wasted"],
+        "generated_tokens": last["ledger/generated"],
+        "lost_tokens": last["ledger/lost"],
+        "running_at_exit_tokens": last["ledger/running_on_ranks"],
+        "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
+        "staleness_max": max(r["staleness/max"] for r in rows),
+        "reward_by_step": [round(r["reward/mean"], 4) for r in rows],
+        "ra2p_modes": [r["ra2p/mode"] for r in rows],
+        "process_wall_s": round(wall, 1),
+    }
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="sync,async_static,stream,tide")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "e2e_goodput_cpu.json"))
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args()
+
+    cfgs = configs(args.modes.split(","), args.ranks)
+    runs: list[dict] = []
+    tmp = Path(tempfile.mkdtemp(prefix="e2e_goodput_"))
+    try:
+        for rep in range(args.reps):
+            order = cfgs if rep % 2 == 0 else list(reversed(cfgs))
+            for cfg in order:
+                result = run_one(cfg, args, tmp / f"rep{rep}_{cfg['label']}")
+                result["rep"] = rep
+                runs.append(result)
+                status = "FAILED" if result["failed"] else f"{result['run_goodput_tok_s']:.1f} tok/s"
+                print(f"rep {rep} {cfg['label']:<22} {status}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    ok = [r for r in runs if not r["failed"]]
+    labels = [c["label"] for c in cfgs]
+    summary = {}
+    for label in labels:
+        mine = [r for r in ok if r["label"] == label]
+        if not mine:
+            summary[label] = {"failed_runs": len([r for r in runs if r["label"] == label])}
+            continue
+        summary[label] = {k: statistics.fmean(r[k] for r in mine) for k in
+                          ("run_goodput_tok_s", "mean_step_goodput_tok_s", "rwt_plus_twt_s", "wasted_share",
+                           "prefix_cache_hit_rate")}
+        summary[label]["runs"] = len(mine)
+        summary[label]["failed_runs"] = len([r for r in runs if r["label"] == label]) - len(mine)
+    # Ratios within each repetition (same machine load), then their geometric mean.
+    ratios = {}
+
+    def per_rep(label_a: str, pick_b) -> list[float]:
+        out = []
+        for rep in range(args.reps):
+            a = [r for r in ok if r["rep"] == rep and r["label"] == label_a]
+            b = pick_b(rep)
+            if a and b:
+                out.append(a[0]["run_goodput_tok_s"] / b)
+        return out
+
+    def best_of(mode: str):
+        def pick(rep: int):
+            xs = [r["run_goodput_tok_s"] for r in ok if r["rep"] == rep and r["mode"] == mode]
+            return max(xs) if xs else None
+        return pick
+
+    tide_labels = [c["label"] for c in cfgs if c["mode"] == "tide"]
+    best_tide = max(tide_labels, key=lambda lbl: summary.get(lbl, {}).get("run_goodput_tok_s", 0.0)) if tide_labels else None
+    goals = {"sync": 3.0, "async_static": 1.3, "stream": 2.0}
+    if best_tide:
+        for base, goal in goals.items():
+            xs = per_rep(best_tide, best_of(base))
+            if xs:
+                ratios[f"tide_vs_best_{base}"] = {"per_rep": [round(x, 3) for x in xs], "geomean": round(geomean(xs), 3),
+                                                  "goal": goal, "met": geomean(xs) >= goal}
+
+    print(f"\n{'config':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}{'wasted':>8}{'hit':>7}")
+    for label in labels:
+        s = summary[label]
+        if "run_goodput_tok_s" not in s:
+            print(f"{label:<22}{'failed':>10}")
+            continue
+        print(f"{label:<22}{s['run_goodput_tok_s']:>10.1f}{s['mean_step_goodput_tok_s']:>11.1f}"
+              f"{s['rwt_plus_twt_s']:>10.1f}{s['wasted_share']:>8.3f}{s['prefix_cache_hit_rate']:>7.3f}")
+    for name, r in ratios.items():
+        print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}; goal {r['goal']}x)")
+
+    record = {
+        "benchmark": "e2e_goodput",
+        "command": " ".join(["python", "benchmarks/e2e_goodput.py", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "load_avg_1_5_15": os.getloadavg(), "device": "cpu"},
+        "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
+                   "seed": args.seed, "latency_overrides": LATENCY, "extra_overrides": args.overrides,
+                   "recipe": "tiny_cpu"},
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The rollout service against fake rollout ranks over a real (in-memory) store mailbox.
+
+Fake ranks answer `RunTask` the way rollout ranks do (trajectories, failures, cancellations,
+heartbeats with their own token counts), so these tests exercise the service's booking,
+retries, admission bound, cancellation, ledger reconciliation and stall detection without
+SGLang."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+import pytest
+import torch.distributed as dist
+
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import (CancelTask, Heartbeat, LoadWeights, RankReady, RunTask, Stop, TaskCancelled,
+                                         TaskFailed, TrajectoryDone)
+from tide_megatron.controller.health import RolloutHealth
+from tide_megatron.controller.modes import mode_policy
+from tide_megatron.controller.placement import RequestPlacement
+from tide_megatron.controller.rollout_service import RolloutService, RunError
+from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
+from tide_megatron.core.trajectory import Segment, Trajectory
+from tide_megatron.trainer.ra2p.source import ArrivingSource, SourceError
+
+TASKS = [{"env": "door_game", "task_id": f"t{i}"} for i in range(4)]
+G = 2
+
+
+class FakeRank(threading.Thread):
+    """Answers each RunTask after `delay_s` with a trajectory of `gen` tokens, unless `fate(tid,
+    attempt)` says 'fail', 'vanish' (never answer, as if the message were lost) or 'hang'."""
+
+    def __init__(self, store, rank: int, *, gen: int = 5, delay_s: float = 0.01,
+                 fate: Callable[[str, int], str] = lambda tid, attempt: "ok", heartbeat_s: float = 0.05,
+                 beat: bool = True):
+        super().__init__(daemon=True)
+        self.mb = Mailbox(store, rank)
+        self.rank, self.gen, self.delay_s, self.fate, self.heartbeat_s, self.beat = rank, gen, delay_s, fate, heartbeat_s, beat
+        self.generated = 0
+        self.running: dict[str, tuple[float, RunTask]] = {}
+        self.hung: set[str] = set()
+        self.stop = threading.Event()
+        self.seen: list = []
+
+    def run(self) -> None:
+        self.mb.post(0, RankReady(engine={"max_running_requests": 8}))
+        next_beat = 0.0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for msg in self.mb.poll():
+                self.seen.append(msg)
+                if isinstance(msg, RunTask):
+                    self.running[msg.assignment.trajectory_id] = (now + self.delay_s, msg)
+                elif isinstance(msg, CancelTask):
+                    if self.running.pop(msg.task_id, None) or msg.task_id in self.hung:
+                        self.hung.discard(msg.task_id)
+                        self.mb.post(0, TaskCancelled(msg.task_id, self.gen))
+                    else:
+                        self.mb.post(0, TaskCancelled(msg.task_id, 0))
+                elif isinstance(msg, Stop):
+                    return
+            for tid, (due, run) in list(self.running.items()):
+                if now < due:
+                    continue
+                del self.running[tid]
+                a = run.assignment
+                fate = self.fate(tid, a.attempt)
+                self.generated += self.gen
+                if fate == "ok":
+                    self.mb.post(0, TrajectoryDone(Trajectory(
+                        a.group_id, a.index, a.task["task_id"], 0, 3, self.gen, float(a.index), is_eval=a.is_eval,
+                        token_ids=[1] * (3 + self.gen), loss_mask=[0] * 3 + [1] * self.gen,
+                        logprobs=[0.0] * (3 + self.gen), segments=[Segment(3, 3 + self.gen, 0)])))
+                elif fate == "fail":
+                    self.mb.post(0, TaskFailed(a, "EnvError: boom", generated_tokens=self.gen))
+                elif fate == "hang":  # generated its first turn, then waits for an env that never answers
+                    self.hung.add(tid)
+                # "vanish": generated, never reported
+            if self.beat and now >= next_beat:
+                running_tokens = self.gen * len(self.hung)
+                self.mb.post(0, Heartbeat(generated_tokens=self.generated, running_tokens=running_tokens,
+                                          running_tasks=len(self.running) + len(self.hung), env_steps=self.generated // self.gen,
+                                          waiting=[f"{t}: env step for 1 s" for t in self.hung]))
+                next_beat = now + self.heartbeat_s
+            time.sleep(0.002)
+
+
+def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
+                 max_failed_groups=3, ranks=(1,)):
+    mailbox = Mailbox(store, 0)
+    buffer = GlobalBuffer(BufferConfig(group_size=G, b_min=G * groups_per_step, b_ideal=G * groups_per_step,
+                                       max_staleness=1))
+    health = RolloutHealth([], time.monotonic(), heartbeat_timeout_s=heartbeat_timeout_s, stall_timeout_s=stall_s)
+    svc = RolloutService(mailbox=mailbox, buffer=buffer, placement=RequestPlacement(mailbox, list(ranks), 8),
+                         mode=mode_policy(mode), rollout_ranks=list(ranks), tasks=TASKS, group_size=G,
+                         groups_per_step=groups_per_step, max_staleness=1, max_task_retries=retries,
+                         max_failed_groups=max_failed_groups, seed=0, start_version=0, health=health)
+    svc.start()
+    return svc
+
+
+def wait_batch(svc, timeout=20.0):
+    got = None
+    deadline = time.monotonic() + timeout
+    while got is None:
+        got = svc.wait(svc.submit(svc.fetch_batch, when=svc.batch_ready), timeout, "a batch")
+        assert time.monotonic() < deadline
+    return got
+
+
+@pytest.fixture
+def store():
+    return dist.HashStore()
+
+
+def test_async_mode_admits_within_the_staleness_bound_and_books_consumption(store):
+    rank = FakeRank(store, 1, delay_s=0.05)
+    rank.start()
+    svc = make_service(store)
+    try:
+        batch, ras, hol = wait_batch(svc)
+        assert batch.num_trajectories == 2 * G and all(len(g) == G for g in batch.groups)
+        # (max_staleness + 1) x groups_per_step groups may be live; never more were started.
+        time.sleep(0.3)
+        assert svc.call(svc._live_training_groups) <= 4
+        led = svc.call(svc.ledger_snapshot)
+        assert led["consumed"] == 2 * G * 5 and led["lost"] == 0
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_a_failed_task_is_retried_and_its_tokens_booked_as_failed(store):
+    rank = FakeRank(store, 1, fate=lambda tid, attempt: "fail" if tid.endswith("/1") and attempt == 0 else "ok")
+    rank.start()
+    svc = make_service(store, mode="sync")
+    try:
+        svc.call(lambda: svc.request_groups(2))
+        batch, _, _ = wait_batch(svc)
+        assert batch.num_trajectories == 2 * G
+        retried = [m for m in rank.seen if isinstance(m, RunTask) and m.assignment.attempt == 1]
+        assert len(retried) == 2  # member 1 of each group, once
+        led = svc.call(svc.ledger_snapshot)
+        assert led["failed"] == 2 * 5 and led["consumed"] == 2 * G * 5
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_a_group_failing_past_its_retries_is_given_up_and_replaced_never_trained_partially(store):
+    rank = FakeRank(store, 1, fate=lambda tid, attempt: "fail" if tid.startswith("g0v0/0") else "ok")
+    rank.start()
+    svc = make_service(store, mode="sync", retries=1)
+    try:
+        svc.call(lambda: svc.request_groups(2))
+        batch, _, _ = wait_batch(svc)
+        ids = {g.group_id for g in batch.groups}
+        assert "g0v0" not in ids and len(ids) == 2  # a replacement group filled the batch
+        assert svc.call(lambda: dict(svc.counters))["groups_failed"] == 1
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_a_vanished_task_shows_up_as_lost_tokens(store):
+    rank = FakeRank(store, 1, fate=lambda tid, attempt: "vanish" if tid == "g1v0/0" else "ok")
+    rank.start()
+    svc = make_service(store, mode="sync", stall_s=60.0)
+    try:
+        svc.call(lambda: svc.request_groups(3))
+        deadline = time.monotonic() + 10
+        while svc.call(svc.ledger_snapshot)["lost"] == 0:
+            assert time.monotonic() < deadline, "the ledger never noticed the vanished task"
+            time.sleep(0.05)
+        assert svc.call(svc.ledger_snapshot)["lost"] == 5
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_a_stuck_env_stops_the_run_within_the_stall_bound_naming_what_waits(store):
+    rank = FakeRank(store, 1, fate=lambda tid, attempt: "hang")
+    rank.start()
+    svc = make_service(store, mode="sync", stall_s=0.6)
+    try:
+        svc.call(lambda: svc.request_groups(1))
+        started = time.monotonic()
+        with pytest.raises(RunError, match=r"no token generated.*env step"):
+            wait_batch(svc, timeout=20)
+        assert time.monotonic() - started < 10  # bounded: the stall bound plus polling, not the batch timeout
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_a_silent_rank_is_named(store):
+    rank = FakeRank(store, 1, beat=False, delay_s=100.0)
+    rank.start()
+    svc = make_service(store, mode="sync", heartbeat_timeout_s=0.5)
+    try:
+        svc.call(lambda: svc.request_groups(1))
+        with pytest.raises(RunError, match="rollout rank 1 sent nothing"):
+            wait_batch(svc, timeout=20)
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_a_dead_rollout_side_wakes_a_trainer_blocked_on_arrivals(store):
+    rank = FakeRank(store, 1, fate=lambda tid, attempt: "hang")
+    rank.start()
+    svc = make_service(store, mode="stream", stall_s=0.6)
+    source = ArrivingSource(3, timeout_s=60, health=svc.check)
+    try:
+        svc.call(lambda: svc.stream_into(source, 3, lambda g: source.put(g)))
+        started = time.monotonic()
+        with pytest.raises(SourceError):
+            source.take_ready(1)
+        assert time.monotonic() - started < 10
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def test_doomed_groups_are_cancelled_at_once_and_their_tokens_wasted(store):
+    rank = FakeRank(store, 1, fate=lambda tid, attempt: "hang" if tid.startswith("g0v0") else "ok")
+    rank.start()
+    svc = make_service(store, mode="async_static")
+    try:
+        wait_batch(svc)
+        svc.call(lambda: svc.close_step())
+        svc.call(lambda: svc.set_version(1))
+        svc.call(lambda: svc.set_version(2))  # g0v0 was admitted at version 0: stale for consumer 2
+        deadline = time.monotonic() + 10
+        while not any(isinstance(m, CancelTask) and m.task_id.startswith("g0v0") for m in rank.seen):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        while svc.call(svc.ledger_snapshot)["cancelled"] < G * 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert svc.call(lambda: dict(svc.counters))["groups_cancelled"] >= 1
+    finally:
+        svc.stop()
+        rank.stop.set()

@@ -1,0 +1,230 @@
+"""Typed control messages between the rank-0 controller and the rollout ranks: both ends here.
+
+Every message is a dataclass with a wire `KIND`; the mailbox turns it into one small JSON
+document and back (`to_wire` / `decode`), and sets `src` on the receiving side. A sender
+builds the dataclass, a receiver dispatches on its type: a misspelt field fails at the
+sender, not silently at the receiver.
+
+Per destination, messages arrive in the order they were posted (the mailbox is a queue per
+destination), so a rank sees a task's `RunTask` before any `PauseTask` / `ResumeTask` /
+`CancelTask` of that task, and the controller sees a rank's `TrajectoryDone` before the
+`Heartbeat` that counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+from tide_megatron.core.trajectory import Trajectory
+
+_KINDS: dict[str, type["Message"]] = {}
+
+
+@dataclass
+class TaskAssignment:
+    """One trajectory to run: a task of the env and its place in a GRPO group."""
+
+    task: dict[str, Any]
+    """The env's task spec (`TaskSpec.to_json()`)."""
+    group_id: str
+    """GRPO group of this trajectory."""
+    index: int
+    """Position within the group, 0..G-1."""
+    is_eval: bool = False
+    """Evaluation task (reward only; never trained on)."""
+    attempt: int = 0
+    """0 for the first run; n for the n-th retry after a failure."""
+
+    @property
+    def trajectory_id(self) -> str:
+        return f"{self.group_id}/{self.index}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Message:
+    """Base of every control message. Subclasses are dataclasses with a unique `KIND`."""
+
+    KIND: ClassVar[str] = ""
+    src: int = -1
+    """Sending rank (set by the mailbox on receipt)."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.KIND:
+            if cls.KIND in _KINDS:
+                raise TypeError(f"message kind {cls.KIND!r} defined twice")
+            _KINDS[cls.KIND] = cls
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = value.to_json() if hasattr(value, "to_json") else value
+        return out
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "Message":
+        return cls(**payload)  # type: ignore[call-arg]
+
+
+def decode(data: dict[str, Any]) -> Message:
+    """The typed message of one wire document (`kind`, `src` and the fields)."""
+    data = dict(data)
+    kind, src = data.pop("kind"), data.pop("src", -1)
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown control message kind {kind!r} from rank {src}")
+    msg = cls.from_wire(data)
+    msg.src = int(src)
+    return msg
+
+
+def _assignment(data: dict[str, Any]) -> TaskAssignment:
+    return data if isinstance(data, TaskAssignment) else TaskAssignment(**data)
+
+
+# ---------------------------------------------------------------- controller -> rollout rank
+@dataclass
+class RunTask(Message):
+    """Start a trajectory now. `tag` carries CTB's fields for its requests (None: untagged)."""
+
+    KIND: ClassVar[str] = "task"
+    assignment: TaskAssignment
+    tag: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "RunTask":
+        return cls(_assignment(payload["assignment"]), payload.get("tag"))
+
+
+@dataclass
+class PauseTask(Message):
+    """Stop the task before its next turn and release its engine session (CTB)."""
+
+    KIND: ClassVar[str] = "pause"
+    task_id: str
+
+
+@dataclass
+class ResumeTask(Message):
+    """Let a paused task go on, on this rank, with fresh CTB tag fields."""
+
+    KIND: ClassVar[str] = "resume"
+    task_id: str
+    tag: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class CancelTask(Message):
+    """Stop the task for good (its group can no longer be trained on); answer `TaskCancelled`."""
+
+    KIND: ClassVar[str] = "cancel"
+    task_id: str
+    reason: str = ""
+
+
+@dataclass
+class LoadWeights(Message):
+    """Join the weight broadcast described by `manifest` (every rank but the sender)."""
+
+    KIND: ClassVar[str] = "weights"
+    manifest: dict[str, Any]
+
+
+@dataclass
+class Stop(Message):
+    """Finish: running tasks end, the rank reports its last heartbeat and exits."""
+
+    KIND: ClassVar[str] = "stop"
+
+
+# ---------------------------------------------------------------- rollout rank -> controller
+@dataclass
+class RankReady(Message):
+    """The rank's engine is up. `engine`: its KV pool and request rows, for the checks."""
+
+    KIND: ClassVar[str] = "ready"
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TurnEvent(Message):
+    """A CTB task's turn started or finished (`phase`), with its context and the plugin's report."""
+
+    KIND: ClassVar[str] = "turn"
+    task_id: str
+    phase: str
+    context_tokens: int
+    report: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class TrajectoryDone(Message):
+    """A task finished; its whole trajectory."""
+
+    KIND: ClassVar[str] = "trajectory"
+    trajectory: Trajectory
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "TrajectoryDone":
+        return cls(Trajectory.from_json(payload["trajectory"]))
+
+
+@dataclass
+class TaskFailed(Message):
+    """A task attempt failed; `generated_tokens` it had produced are lost to it."""
+
+    KIND: ClassVar[str] = "task_failed"
+    assignment: TaskAssignment
+    error: str
+    traceback: str = ""
+    generated_tokens: int = 0
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "TaskFailed":
+        payload = dict(payload)
+        return cls(_assignment(payload.pop("assignment")), **payload)
+
+
+@dataclass
+class TaskCancelled(Message):
+    """A task stopped on `CancelTask` (or was never started); its tokens are wasted."""
+
+    KIND: ClassVar[str] = "task_cancelled"
+    task_id: str
+    generated_tokens: int = 0
+
+
+@dataclass
+class Heartbeat(Message):
+    """A rollout rank's health and its own token count (the ledger's independent side)."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    generated_tokens: int
+    """Tokens this rank's engine generated for tasks since it started."""
+    running_tokens: int
+    """Of those, tokens of tasks still running here (not yet reported done, failed or cancelled)."""
+    running_tasks: int
+    env_steps: int
+    """Environment steps answered since start (progress even when no token is generated)."""
+    waiting: list[str] = field(default_factory=list)
+    """What the longest-waiting tasks wait for, e.g. `g3/1: env step for 41 s`."""
+    busy_s: float = 0.0
+    """Seconds with at least one task running, since start."""
+    idle_s: float = 0.0
+
+
+@dataclass
+class WeightsLoaded(Message):
+    """The rank loaded weights `version` into its engine."""
+
+    KIND: ClassVar[str] = "weights_loaded"
+    version: int
+    broadcast_s: float = 0.0
+    load_s: float = 0.0
+    busy_s: float = 0.0
+    idle_s: float = 0.0

@@ -1,0 +1,201 @@
+"""The rank-0 controller: builders, then one step loop for every scheduling mode.
+
+    rollout service (thread)   buffer, task placement, retries, health, evaluation
+    trainer driver             executors, RA2P's mode choice, the reference rank
+    mode policy                what differs between sync, async_static, stream and tide
+
+One step, whatever the mode:
+  1. rollout: sync starts the step's groups now; the other modes keep rollout running;
+  2. data: wait for the whole global batch, or (streaming) for the first ready group;
+  3. train: the executor runs; in streaming modes later groups join as they complete;
+  4. version += 1 (the controller is the one owner of the weight version): doomed groups are
+     cancelled, the running evaluation is gathered, weights go to every rollout rank
+     (sync waits until they are loaded; the others go on), the next evaluation starts;
+  5. log, and checkpoint at the interval.
+
+Every wait is bounded and watches the rollout side's health: a dead rank, a stalled run or a
+dead rollout thread ends the run with a message that says which rank and what it waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import Stop
+from tide_megatron.comm.topology import Topology
+from tide_megatron.config import JobConfig
+from tide_megatron.controller.health import RolloutHealth
+from tide_megatron.controller.modes import mode_policy
+from tide_megatron.controller.placement import RequestPlacement
+from tide_megatron.controller.rollout_service import RolloutService, RunError
+from tide_megatron.controller.step_log import StepLog
+from tide_megatron.controller.trainer_rank import TrainerRank
+from tide_megatron.controller.training import TrainerDriver
+from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
+from tide_megatron.core.signals import SignalsConfig
+from tide_megatron.utils.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Controller", "RunError"]
+
+
+def stall_timeout_s(cfg: JobConfig) -> float:
+    """`scheduler.stall_timeout_s`, or when 0, a bound that scales with the env's timeout: a
+    turn may wait one env call (with its retries) and one generation before anything moves."""
+    if cfg.scheduler.stall_timeout_s > 0:
+        return cfg.scheduler.stall_timeout_s
+    client = cfg.envs.client
+    return 3 * (client.call_timeout_s + client.connect_timeout_s) + 60.0
+
+
+class Controller:
+    def __init__(self, cfg: JobConfig, topo: Topology, mailbox: Mailbox, trainer: TrainerRank,
+                 metrics: MetricsLogger, tasks: list[dict[str, Any]], start_step: int = 0,
+                 eval_tasks: Optional[list[dict[str, Any]]] = None):
+        self.cfg, self.topo, self.mailbox, self.metrics = cfg, topo, mailbox, metrics
+        sched = cfg.scheduler
+        self.mode = mode_policy(sched.mode, ra2p_executor=cfg.ra2p.executor, ctb_enabled=cfg.ctb.enabled)
+        self.step = self.version = start_step  # the policy version is the number of updates
+        self.eval_tasks = eval_tasks or []
+        self._eval_pending: Optional[int] = None
+        batch = sched.groups_per_step * sched.group_size
+        buffer = GlobalBuffer(
+            BufferConfig(group_size=sched.group_size, b_min=sched.group_size if self.mode.streaming else batch,
+                         b_ideal=batch, max_staleness=sched.max_staleness),
+            SignalsConfig(micro_batch_tokens=cfg.ra2p.cost_model.tokens_per_rank))
+        self.stall_timeout_s = stall_timeout_s(cfg)
+        health = RolloutHealth([], time.monotonic(), heartbeat_timeout_s=sched.heartbeat_timeout_s,
+                               stall_timeout_s=self.stall_timeout_s)
+        self.rollout = RolloutService(
+            mailbox=mailbox, buffer=buffer, placement=self._placement(), mode=self.mode,
+            rollout_ranks=topo.rollout_ranks, tasks=tasks, group_size=sched.group_size,
+            groups_per_step=sched.groups_per_step, max_staleness=sched.max_staleness,
+            max_task_retries=sched.max_task_retries, max_failed_groups=sched.max_failed_groups,
+            seed=cfg.run.seed, start_version=start_step, health=health,
+            eval_pass_threshold=sched.eval_pass_threshold)
+        self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
+                                     health=self.rollout.check)
+        self.trainer_rank = trainer
+        self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
+
+    def _placement(self):
+        if self.mode.task_level:
+            from tide_megatron.controller.ctb_placement import CTBPlacement
+
+            return CTBPlacement(self.cfg, self.mailbox, self.topo.rollout_ranks)
+        return RequestPlacement(self.mailbox, self.topo.rollout_ranks, self.cfg.scheduler.max_tasks_per_rank)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        self.rollout.start()
+        try:
+            n = len(self.topo.rollout_ranks)
+            self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: len(self.rollout.engines) >= n),
+                              self.cfg.scheduler.ready_timeout_s, f"{n} rollout rank(s) to start their engines")
+            if self.version > 0:  # resumed: the engines still hold the initial weights
+                self._push_weights(wait=True)
+            self.log.start_run()
+            self._start_eval()
+            while self.step < self.cfg.run.steps:
+                self._one_step()
+            self._finish_eval()  # the last model's eval has no next step to hide behind
+            self.log.end_run()
+        finally:
+            self.rollout.stop()
+            self.rollout.join(timeout=10)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.rollout.stop()
+        for dest in range(1, self.topo.world_size):
+            self.mailbox.post(dest, Stop())
+
+    def _one_step(self) -> None:
+        sched = self.cfg.scheduler
+        t0 = time.perf_counter()
+        if not self.mode.continuous_rollout:
+            self.rollout.call(lambda: self.rollout.request_groups(sched.groups_per_step))
+        tprm = self.rollout.call(self._tprm_estimate)
+        if self.mode.streaming:
+            ras, hol, ready = self.rollout.wait(
+                self.rollout.submit(lambda: self.rollout.open_step(sched.groups_per_step),
+                                    when=self.rollout.step_can_open),
+                self.stall_timeout_s * 4, "the first ready group of the step")
+            twt = time.perf_counter() - t0
+            outcome = self.trainer.train_stream(ready, sched.groups_per_step, ras, tprm, self._stream_into,
+                                                arrival_timeout_s=self.stall_timeout_s * 4)
+        else:
+            fetched = None
+            while fetched is None:
+                fetched = self.rollout.wait(self.rollout.submit(self.rollout.fetch_batch, when=self.rollout.batch_ready),
+                                            self.stall_timeout_s * 4, "the whole global batch")
+            batch, ras, hol = fetched
+            twt = time.perf_counter() - t0
+            outcome = self.trainer.train_batch(list(batch.groups), ras, tprm)
+        train_s = time.perf_counter() - t0 - twt
+        readiness = self.rollout.call(self.rollout.close_step)
+        self.version += 1
+        self.step += 1
+        t_sync = time.perf_counter()
+        eval_wait_s = self._finish_eval()
+        # The weights go out before admission resumes under the new version: a rank reads its
+        # LoadWeights before any task started after it.
+        self._push_weights(wait=not self.mode.continuous_rollout)
+        self.rollout.call(lambda: self.rollout.set_version(self.version))
+        self._start_eval()
+        sync_s = time.perf_counter() - t_sync
+        checkpoint_s = self._maybe_checkpoint()
+        self.log.step(self.step, self.version, outcome, ras=ras, hol=hol, readiness=readiness,
+                      twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
+                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0)
+
+    def _tprm_estimate(self) -> Optional[float]:
+        est = self.rollout.buffer.estimate()
+        return est.tprm_s if est.steps_observed else None
+
+    def _stream_into(self, source, groups_left: int, on_group) -> None:
+        self.rollout.call(lambda: self.rollout.stream_into(source, groups_left, on_group))
+
+    def _push_weights(self, wait: bool) -> None:
+        self.trainer_rank.push_weights(self.version, self.mailbox, self.topo.world_size)
+        if wait:  # sync: the next rollout phase must run on these weights
+            self.trainer.take("weights_loaded", len(self.topo.rollout_ranks), timeout_s=self.stall_timeout_s)
+
+    def _maybe_checkpoint(self) -> float:
+        interval = self.cfg.run.checkpoint_interval
+        if not ((interval and self.step % interval == 0) or self.step == self.cfg.run.steps):
+            return 0.0
+        t0 = time.perf_counter()
+        for rank in self.topo.trainer_ranks[1:]:
+            self.mailbox.post(rank, "save")
+        self.metrics.write(f"checkpoint: {self.trainer_rank.save()}")
+        return time.perf_counter() - t0
+
+    # -- evaluation (tide-style: step i's model is evaluated during step i+1) ------------------
+    def _start_eval(self) -> None:
+        every, sched = self.cfg.scheduler.eval_every, self.cfg.scheduler
+        if every and self.eval_tasks and self.version % every == 0:
+            version = self.version
+            self.rollout.call(lambda: self.rollout.submit_eval(version, self.eval_tasks, sched.eval_groups))
+            self._eval_pending = version
+
+    def _finish_eval(self) -> float:
+        """Wait for the running eval and log it under the step whose model it measured; returns
+        the seconds waited (trainer waiting time)."""
+        if self._eval_pending is None:
+            return 0.0
+        version, self._eval_pending = self._eval_pending, None
+        t0 = time.perf_counter()
+        metrics = self.rollout.wait(self.rollout.submit(lambda: self.rollout.evals.pop(version),
+                                                        when=lambda: self.rollout.evals.ready(version)),
+                                    self.stall_timeout_s * 4, f"the evaluation of step {version}")
+        waited = time.perf_counter() - t0
+        self.metrics.log_at(version, {**metrics.to_log(), "eval/wait_s": waited})
+        self.metrics.write(f"eval of step {version}: mean reward {metrics.mean_reward:.3f}, "
+                           f"best-of-{self.cfg.scheduler.group_size} {metrics.best_of_n_reward:.3f}, "
+                           f"pass rate {metrics.pass_rate:.3f}")
+        return waited

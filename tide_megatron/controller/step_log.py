@@ -1,0 +1,107 @@
+"""The per-step metrics record, the same keys in every mode.
+
+Time is booked where it went: the trainer's waiting time (TWT) is the wait for the step's data
+before it starts, plus the waits for groups still arriving during a streamed step, plus the
+wait for an evaluation that gates the weight sync (and, decoupled, the actor's waits for the
+reference's log-probs); the rollout ranks' waiting time (RWT) is their idle time since the
+previous step (no task running), averaged over ranks. Goodput is reported per step (consumed
+generated tokens / step wall time, checkpoint included) and for the run so far (all consumed
+tokens / wall time since the first dispatch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any, Optional
+
+from tide_megatron.utils.metrics import MetricsLogger
+
+
+logger = logging.getLogger(__name__)
+
+
+class StepLog:
+    def __init__(self, cfg, rollout, trainer, metrics: MetricsLogger):
+        self.cfg, self.rollout, self.trainer, self.metrics = cfg, rollout, trainer, metrics
+        self._run_start: Optional[float] = None
+        self._consumed_total = 0
+        self._idle: dict[int, float] = {}
+        self._generated_before = 0
+
+    def start_run(self) -> None:
+        """The first dispatch: the run's wall clock starts here (engine start-up excluded)."""
+        self._run_start = time.monotonic()
+        self.metrics.mark_run_start()
+
+    def end_run(self) -> None:
+        snapshot = self.rollout.call(self.rollout.ledger_snapshot)
+        fates = self.rollout.call(lambda: Counter(
+            (r.fate.value, r.policy_version, r.consumer_version) for r in self.rollout.buffer.records.values()))
+        logger.info("group fates (fate, policy version, consumer version): %s", dict(sorted(fates.items())))
+        self.metrics.write("tokens: " + ", ".join(f"{k} {v}" for k, v in snapshot.items() if v or k == "consumed"))
+
+    def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
+             train_s: float, sync_s: float, checkpoint_s: float, step_s: float) -> None:
+        trajs = [t for g in outcome.consumed for t in g.trajectories]
+        generated = sum(t.generated_tokens for t in trajs)
+        self._consumed_total += generated
+        elapsed = time.monotonic() - (self._run_start or time.monotonic())
+        prompt = sum(t.engine_prompt_tokens for t in trajs)
+        cached = sum(t.cached_tokens for t in trajs)
+        idle_now, ledger, counters, placement = self.rollout.call(
+            lambda: (self.rollout.health.rank_idle_s(), self.rollout.ledger_snapshot(),
+                     dict(self.rollout.counters), dict(self.rollout.placement.stats)))
+        idle = [idle_now[r] - self._idle.get(r, 0.0) for r in idle_now]
+        self._idle = idle_now
+        staleness = [version - 1 - t.policy_version for t in trajs]
+        report = outcome.report
+        record: dict[str, Any] = {
+            "version": version,
+            "mode": self.rollout.mode.name,
+            "ra2p/mode": outcome.mode.value,
+            "ras": ras,
+            "tprm_s": readiness.tprm_s,
+            "hol_latency_s": hol,
+            "groups": len(outcome.consumed),
+            "consumed_tokens": generated,
+            "consumed_total_tokens": sum(t.total_tokens for t in trajs),
+            "goodput_tok_s": generated / step_s,
+            "run_goodput_tok_s": self._consumed_total / elapsed if elapsed > 0 else 0.0,
+            "generation_tok_s": (ledger["generated"] - self._generated_before) / step_s,
+            "time/step_s": step_s,
+            "time/train_s": train_s,
+            "time/sync_s": sync_s,
+            "time/checkpoint_s": checkpoint_s,
+            "twt_s": twt_s + report.ref_wait_s,
+            "rwt_s": sum(idle) / len(idle) if idle else 0.0,
+            "micro_batches": report.num_micro_batches,
+            "ra2p/arrival_wait_s": outcome.arrival_wait_s,
+            **{f"ra2p/{k}": v for k, v in report.as_dict().items() if isinstance(v, (int, float))},
+            "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
+            "prefix_cache/cached_tokens": cached,
+            "prefix_cache/prompt_tokens": prompt,
+            "image_tokens": sum(t.image_tokens for t in trajs),
+            "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+            "reward/max": max(t.reward for t in trajs),
+            "reward/min": min(t.reward for t in trajs),
+            "turns/mean": sum(t.turns for t in trajs) / len(trajs),
+            "truncated_frac": sum(t.truncated for t in trajs) / len(trajs),
+            "env_wait_s/mean": sum(t.env_wait_s for t in trajs) / len(trajs),
+            "staleness/max": max(staleness),
+            "staleness/mean": sum(staleness) / len(staleness),
+            "versions/mixed_frac": sum(len(t.versions) > 1 for t in trajs) / len(trajs),
+            "loss": outcome.result.loss, "pg_loss": outcome.result.pg_loss, "kl": outcome.result.kl,
+            "clip_frac": outcome.result.clip_frac, "grad_norm": outcome.result.grad_norm,
+            **{f"ledger/{k}": v for k, v in ledger.items()},
+            "ledger/wasted_frac": ledger["wasted"] / ledger["generated"] if ledger["generated"] else 0.0,
+            **{f"rollout/{k}": v for k, v in counters.items()},
+            **{f"placement/{k}": v for k, v in placement.items()},
+        }
+        self._generated_before = ledger["generated"]
+        if outcome.choice is not None:
+            record.update({"ra2p/cost_decoupled": outcome.choice.cost_decoupled,
+                           "ra2p/cost_colocated": outcome.choice.cost_colocated,
+                           "ra2p/break_even_ras": outcome.choice.break_even_ras})
+        self.metrics.log(step, record)

@@ -1,0 +1,125 @@
+"""The one trajectory record, from the rollout rank to the trainer.
+
+A rollout rank builds a `Trajectory` when a multi-turn task ends; the mailbox carries it as
+JSON (`to_json` / `from_json`); the global buffer keeps it as it is (it only sets
+`advantage` when the group completes); the trainer collates its token lists into tensors.
+Nothing converts it to another type on the way, so what was generated is what is trained.
+
+The simulator uses the same record with empty token lists: it only needs the counts.
+
+Policy versions. A task keeps running across weight updates; each generated segment (one
+turn's action) records the weight version that produced it, and its tokens keep the
+behaviour log-probs of that version, which the importance ratio uses token by token. The
+staleness of a trajectory is judged on its oldest segment (`policy_version`), which is the
+version it was admitted under or later: that is the bound CTB and the dispatcher enforce at
+admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Hashable, Optional
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Generated tokens [start, end) of the trajectory, produced by weight `version`."""
+
+    start: int
+    end: int
+    version: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Trajectory:
+    """One finished multi-turn trajectory (a member of a GRPO group)."""
+
+    group_id: Hashable
+    """GRPO group this trajectory belongs to."""
+    index: int
+    """Position in the group, 0..G-1."""
+    task_id: Hashable
+    """The task (prompt + environment instance) the group samples."""
+    policy_version: int
+    """Oldest policy version that generated any of its tokens (staleness is judged on it)."""
+    prompt_tokens: int
+    """Tokens the policy did not generate: the prompt and every observation."""
+    generated_tokens: int
+    """Tokens the policy generated (actions): what goodput counts."""
+    reward: float
+    """Scalar reward computed next to the environment."""
+    started_at: float = 0.0
+    """Clock value at first admission."""
+    finished_at: float = 0.0
+    """Clock value at the final turn."""
+    is_eval: bool = False
+    """Evaluation trajectories are scored, never trained on."""
+    advantage: Optional[float] = None
+    """Group-relative advantage, set by the buffer when the group completes."""
+    payload: Any = None
+    """Opaque extras of a caller that has no token lists (the simulator's workload record)."""
+
+    # -- what the real system carries (empty in the simulator) ------------------------------
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt, actions and observations, as the trainer sees them. [T]"""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 on tokens the policy generated, 0 elsewhere. [T]"""
+    logprobs: list[float] = field(default_factory=list)
+    """Behaviour log-probs of generated tokens (the engine's, per segment version), 0.0 elsewhere. [T]"""
+    segments: list[Segment] = field(default_factory=list)
+    """Generated spans with the weight version that produced each."""
+    task: dict[str, Any] = field(default_factory=dict)
+    """The env's task spec the trajectory ran."""
+    turns: int = 0
+    truncated: bool = False
+    """Stopped by the turn or context limit rather than by the environment."""
+    engine_prompt_tokens: int = 0
+    """Context tokens the engine needed over all turns (prefilled or cached)."""
+    cached_tokens: int = 0
+    """Of `engine_prompt_tokens`, those reused from the prefix cache."""
+    image_tokens: int = 0
+    """Of the context, tokens that stand for images (multi-modal tasks)."""
+    env_wait_s: float = 0.0
+    generate_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def trajectory_id(self) -> str:
+        return f"{self.group_id}/{self.index}"
+
+    @property
+    def versions(self) -> list[int]:
+        """Distinct weight versions that produced this trajectory, oldest first."""
+        return sorted({s.version for s in self.segments}) or [self.policy_version]
+
+    def check(self) -> None:
+        """Raise ValueError when the token lists and counts disagree (a corrupt record)."""
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == n):
+            raise ValueError(f"trajectory {self.trajectory_id}: token_ids, loss_mask and logprobs differ in length")
+        if n and self.prompt_tokens + self.generated_tokens < n:
+            raise ValueError(f"trajectory {self.trajectory_id}: counts below the token list length")
+        for s in self.segments:
+            if not 0 <= s.start <= s.end <= max(n, s.end) or s.version < 0:
+                raise ValueError(f"trajectory {self.trajectory_id}: bad segment {s}")
+        if self.segments and min(s.version for s in self.segments) != self.policy_version:
+            raise ValueError(f"trajectory {self.trajectory_id}: policy_version is not its oldest segment's")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["segments"] = [[s.start, s.end, s.version] for s in self.segments]
+        data.pop("payload")
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Trajectory":
+        data = dict(data)
+        data["segments"] = [Segment(int(a), int(b), int(v)) for a, b, v in data.get("segments", [])]
+        return cls(**data)
