@@ -102,7 +102,10 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, store=dist.PrefixStore("tide/world", store), rank=rank,
                             world_size=world, timeout=timeout)
-    registry = GroupRegistry.build(layout, rank, new_group_factory(timeout_s=timeout_s))
+    # The trainer's groups carry device tensors only: NCCL alone with a GPU (connects on first
+    # use, so the unused configurations cost nothing), gloo without.
+    registry = GroupRegistry.build(layout, rank, new_group_factory(
+        backend="nccl" if torch.cuda.is_available() else None, timeout_s=timeout_s))
     set_registry(registry)
     topo = Topology(
         rank=rank,
