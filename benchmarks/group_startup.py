@@ -22,10 +22,8 @@ Writes benchmarks/results/group_startup.json (command, machine, date, figures).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +31,7 @@ import threading
 import time
 from datetime import timedelta
 
+import bench_record
 import torch
 import torch.distributed as dist
 
@@ -109,15 +108,11 @@ def run_lazy_threads(worlds: str, tps: str, timeout_s: float) -> list[dict]:
     """The thread measurement in a child process with gloo's lazy connection switched on."""
     import subprocess
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "lazy.json")
-        env = dict(os.environ, TORCH_GLOO_LAZY_INIT="1")
-        subprocess.run([sys.executable, __file__, "--thread-worlds", worlds, "--lazy-thread-worlds", "",
-                        "--process-worlds", "", "--tps", tps, "--timeout-s", str(timeout_s), "--out", out],
-                       check=True, env=env, stdout=subprocess.DEVNULL)
-        with open(out) as f:
-            rows = json.load(f)["results"]
-    return [dict(r, mode="threads_lazy") for r in rows]
+    env = dict(os.environ, TORCH_GLOO_LAZY_INIT="1")
+    proc = subprocess.run([sys.executable, __file__, "--thread-worlds", worlds, "--lazy-thread-worlds", "",
+                           "--process-worlds", "", "--tps", tps, "--timeout-s", str(timeout_s), "--rows-only"],
+                          check=True, env=env, capture_output=True, text=True)
+    return [dict(r, mode="threads_lazy") for r in json.loads(proc.stdout.splitlines()[-1])]
 
 
 def main() -> None:
@@ -127,12 +122,16 @@ def main() -> None:
     parser.add_argument("--process-worlds", default="8,16")
     parser.add_argument("--tps", default="1,2,8")
     parser.add_argument("--timeout-s", type=float, default=300.0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "group_startup.json"))
+    parser.add_argument("--name", default="group_startup", help="results file: benchmarks/results/NAME.json")
+    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # the lazy child
     args = parser.parse_args()
     tps = [int(t) for t in args.tps.split(",")]
     rows = []
     for world in [int(w) for w in args.thread_worlds.split(",") if w]:
         rows += [run_threads(world, tp, args.timeout_s) for tp in tps if tp <= world]
+    if args.rows_only:
+        print(json.dumps(rows))
+        return
     if args.lazy_thread_worlds:
         rows += run_lazy_threads(args.lazy_thread_worlds, args.tps, args.timeout_s)
     for world in [int(w) for w in args.process_worlds.split(",") if w]:
@@ -144,10 +143,8 @@ def main() -> None:
               f"{r['gloo_pairs']:>11}{r['rank_s_max']:>9.3f}{wall:>9.2f}")
     record = {
         "benchmark": "group_startup",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__},
+        **bench_record.header(),
+        "host": {"cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__},
         "config": vars(args),
         "results": rows,
         "notes": [
@@ -163,14 +160,12 @@ def main() -> None:
             "(no connection until first use).",
             "64 real processes were not run on this shared 24 GiB machine (about 150 MB private memory per "
             "torch process); the process rows calibrate the thread rows at small W.",
-            "NCCL groups (GPU) connect on first use: their start-up cost is bookkeeping only; the gloo "
-            "side of a 'cpu:gloo,cuda:nccl' group still connects eagerly.",
+            "With a GPU, comm/topology.py creates these groups NCCL-only; NCCL connects a group on its "
+            "first collective, so their start-up cost is bookkeeping (the threads_lazy rows are the "
+            "closer CPU analogue).",
         ],
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"wrote {args.out}")
+    bench_record.write(args.name, record)
 
 
 if __name__ == "__main__":

@@ -25,16 +25,12 @@ change is the slowest rank. Writes benchmarks/results/role_transitions.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
-import traceback
 import warnings
 
+import bench_record
 import torch
 
 from tide_megatron.utils.net import free_port
@@ -76,16 +72,14 @@ def spmd_step(worker, batch: list[dict], mode: str) -> None:
 
 def _rank(rank: int, args, hf_dir: str, port: int, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(args.threads)
     from tide_megatron.comm.groups import GroupLayout
-    from tide_megatron.models.megatron_gpt import destroy_parallel, init_parallel
+    from tide_megatron.models.megatron_gpt import init_parallel, spawned_rank
     from tide_megatron.trainer.assignment import TrainerAssignment
     from tide_megatron.trainer.config import TrainerConfig
     from tide_megatron.trainer.offload import ModelOffloader, OffloadConfig
     from tide_megatron.trainer.worker import TrainerWorker
 
-    try:
+    with spawned_rank(rank, WORLD, port, args.threads):
         registry = init_parallel(tp_size=1, seed=0)
         layout = GroupLayout(WORLD, 1)
         alone, pair = TrainerAssignment(layout, 1), TrainerAssignment(layout, 2)
@@ -115,11 +109,6 @@ def _rank(rank: int, args, hf_dir: str, port: int, out_dir: str) -> None:
         if worker.ref is not None:
             sizes["ref_bytes"] = ModelOffloader(worker.ref.model, OffloadConfig(grads=False)).nbytes
         torch.save({"records": records, "sizes": sizes}, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        destroy_parallel()
 
 
 def summarise(ranks: list[dict]) -> list[dict]:
@@ -146,7 +135,7 @@ def main() -> None:
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "role_transitions.json"))
+    parser.add_argument("--name", default="role_transitions", help="results file: benchmarks/results/NAME.json")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from tide_megatron.models.config import ModelConfig
@@ -164,11 +153,9 @@ def main() -> None:
         print(f"{row['transition']:<12}{row['critical_path_s_median']:>11.4f}  {parts}")
     record = {
         "benchmark": "role_transitions",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__,
-                    "device": "cpu"},
+        **bench_record.header(),
+        "host": {"cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__,
+                 "device": "cpu"},
         "config": vars(args),
         "model": MODEL_SIZES[args.model_size],
         "sizes": {f"rank{r}": data["sizes"] for r, data in enumerate(ranks)},
@@ -186,10 +173,7 @@ def main() -> None:
             "restores) and NCCL point-to-point (state transfer).",
         ],
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"wrote {args.out}")
+    bench_record.write(args.name, record)
 
 
 if __name__ == "__main__":

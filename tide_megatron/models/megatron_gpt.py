@@ -7,8 +7,11 @@ does that. Models take their process groups as a `ProcessGroupCollection` (`comm
 
 from __future__ import annotations
 
+import contextlib
 import os
+import traceback
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +69,24 @@ def destroy_parallel() -> None:
     groups.set_registry(None)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def spawned_rank(rank: int, world: int, port: int, threads: int = 1) -> Iterator[None]:
+    """Run the block as rank `rank` of a job of `world` processes on this machine (the children
+    of `torch.multiprocessing.spawn` in tests and benchmarks): env:// rendezvous on `port`,
+    `threads` torch threads, the traceback printed on failure (spawn reports only the exit), and
+    the process groups torn down at the end."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        yield
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        destroy_parallel()
 
 
 def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False):

@@ -183,10 +183,6 @@ class RankTransition:
     state_targets: tuple[int, ...] = ()
     """A staying actor: the joining ranks it sends weights and optimizer state to, in order."""
 
-    @property
-    def changes(self) -> bool:
-        return self.actor in ("join", "leave") or self.ref in ("load", "release") or bool(self.state_targets)
-
 
 def _holds_ref(role: Role) -> bool:
     return role in (Role.REF, Role.ACTOR_REF)

@@ -74,10 +74,6 @@ class StepFeed:
             for ref in self.assignment.ref_unit_of(dp):
                 self.mailbox.post(ref, "ref_mb", dp=dp, trajectories=trajectories)
 
-    @property
-    def complete(self) -> bool:
-        return self._sent == self.counts
-
     def replies_expected(self) -> dict[str, list[int]]:
         """Reply kind -> the ranks that will post it when the step is done."""
         me = self.mailbox.owner

@@ -38,8 +38,6 @@ import threading
 import time
 from typing import Any, Mapping
 
-import torch
-
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.groups import GroupRegistry
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import traceback
 import warnings
 from datetime import timedelta
 
@@ -249,16 +248,13 @@ def _worker(registry, assignment, hf_dir, out_dir, cfg=None):
 def _run(rank: int, scenario: str, ports: tuple[int, int], hf_dir: str, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
     world = WORLD[scenario]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from tide_megatron.comm.groups import forbid_new_groups
     from tide_megatron.comm.mailbox import Mailbox
-    from tide_megatron.models.megatron_gpt import destroy_parallel, init_parallel
+    from tide_megatron.models.megatron_gpt import init_parallel, spawned_rank
 
-    try:
+    with spawned_rank(rank, world, ports[0]):
         registry = init_parallel(tp_size=TP[scenario], seed=0)
         store = dist.TCPStore("127.0.0.1", ports[1], world, is_master=rank == 0, timeout=timedelta(seconds=300))
         mailbox = Mailbox(store, rank)
@@ -268,11 +264,6 @@ def _run(rank: int, scenario: str, ports: tuple[int, int], hf_dir: str, out_dir:
                    groups_expected=len(registry.layout.groups_of(rank)), layout_groups=registry.layout.num_groups,
                    startup_s=registry.startup_s)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        destroy_parallel()
 
 
 def main() -> None:
