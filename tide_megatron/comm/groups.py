@@ -255,9 +255,10 @@ def set_registry(registry: GroupRegistry | None) -> None:
     _REGISTRY = registry
 
 
-def registry() -> GroupRegistry:
-    """The registry built at start-up (`init_parallel` / `init_topology`)."""
-    if _REGISTRY is None:
+def registry(required: bool = True) -> GroupRegistry | None:
+    """The registry built at start-up (`init_parallel` / `init_topology`); None if there is none
+    and not `required`."""
+    if _REGISTRY is None and required:
         raise RuntimeError("process groups are not set up: call models.megatron_gpt.init_parallel "
                            "or comm.topology.init_topology first")
     return _REGISTRY

@@ -38,7 +38,7 @@ def init_parallel(tp_size: int = 1, seed: int = 0, timeout_s: float = 600.0):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     layout = groups.GroupLayout(torch.distributed.get_world_size(), tp_size)
-    current = groups._REGISTRY
+    current = groups.registry(required=False)
     if current is None:
         current = groups.GroupRegistry.build(layout, torch.distributed.get_rank(),
                                              groups.new_group_factory(timeout_s=timeout_s))

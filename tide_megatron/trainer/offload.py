@@ -173,8 +173,10 @@ class ModelOffloader:
             self._side_stream = torch.cuda.Stream(device=device)
         return self._side_stream
 
-    def offload(self) -> float:
-        """Copy every storage to host memory and free it on the device. Returns seconds."""
+    def offload(self, keep_host_copy: bool | None = None) -> float:
+        """Copy every storage to host memory and free it on the device. Returns seconds.
+
+        `keep_host_copy` overrides the config's for this call (False: free without copying)."""
         if not self.resident:
             return 0.0
         started = time.perf_counter()
@@ -184,7 +186,7 @@ class ModelOffloader:
         stream = self._stream(device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))  # pending writes land first
-        keep = self.cfg.keep_host_copy
+        keep = self.cfg.keep_host_copy if keep_host_copy is None else keep_host_copy
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for index, storage in enumerate(storages):
                 nbytes = storage.nbytes()
@@ -201,6 +203,13 @@ class ModelOffloader:
         self.resident = False
         self.last_offload_s = time.perf_counter() - started
         return self.last_offload_s
+
+    def drop_host_copy(self) -> None:
+        """Forget the host copy of an offloaded model: `restore` then re-allocates the storages
+        uninitialised (the caller refills them, e.g. from a checkpoint on disk)."""
+        for slot in self._slots:
+            slot.host = None
+        self._host_pool.clear()
 
     def restore(self) -> float:
         """Re-allocate every storage on the device and copy the bytes back. Returns seconds."""

@@ -95,6 +95,7 @@ class TrainerWorker:
         self.ref: ReferenceModel | None = None
         self._actor_parking: ModelOffloader | None = None
         self._ref_parking: ModelOffloader | None = None
+        self._ref_on_host = False  # a parked reference's bytes are in host memory (not dropped)
         self._colocated: ColocatedExecutor | None = None
         self.last_transition: dict[str, float] = {}
         if self.role in (Role.ACTOR, Role.ACTOR_REF):
@@ -156,14 +157,27 @@ class TrainerWorker:
             self._ensure_megatron()
             self.ref = ReferenceModel(self.model_cfg, self.model_path, bf16=self.cfg.bf16,
                                       groups=self.registry.model_groups())
-            self._ref_parking = ModelOffloader(self.ref.model, OffloadConfig(
-                grads=False, keep_host_copy=self.ref_release == "host"))
+            # One offloader parks the reference, for role changes and colocated swaps alike.
+            self._ref_parking = ModelOffloader(self.ref.model, OffloadConfig(grads=False))
+            self._ref_on_host = True
             return {"ref_build_load_s": time.perf_counter() - started}
         self._ref_parking.restore()
-        if self.ref_release == "host":
+        if self._ref_on_host:
             return {"ref_restore_host_s": time.perf_counter() - started}
         load_hf_into_megatron(self.ref.model, self.model_path, self.model_cfg)
+        self._ref_on_host = True
         return {"ref_reload_disk_s": time.perf_counter() - started}
+
+    def _release_ref(self) -> float:
+        """Park the reference (it may be parked already, between colocated steps)."""
+        started = time.perf_counter()
+        self._colocated = None  # it held the reference's offloader only; the actor is resident
+        keep = self.ref_release == "host"
+        self._ref_parking.offload(keep_host_copy=keep)
+        if not keep:
+            self._ref_parking.drop_host_copy()  # parked earlier by a colocated swap, with a copy
+            self._ref_on_host = False
+        return time.perf_counter() - started
 
     def _close_colocated(self) -> None:
         """Both models resident, the colocated executor gone (rebuilt at the next colocated step)."""
@@ -179,12 +193,13 @@ class TrainerWorker:
         t = plan_transition(self.assignment, new)[self.rank]
         started = time.perf_counter()
         times: dict[str, float] = {}
-        if t.actor == "leave" or t.ref == "release":
-            self._close_colocated()
         if t.actor == "leave":
+            # Between steps the colocated executor keeps the actor resident; only the reference
+            # may be parked, through the offloader shared with it.
+            self._colocated = None
             times["actor_release_s"] = self._actor_parking.offload()
         if t.ref == "release" and self.ref is not None:
-            times["ref_release_s"] = self._ref_parking.offload()
+            times["ref_release_s"] = self._release_ref()
         self.assignment = new
         if t.actor == "join":
             t0 = time.perf_counter()
@@ -242,7 +257,8 @@ class TrainerWorker:
             result = actor.train_step_iter(iterate(source), len(source))
             return result, StepReport(mode=mode, num_micro_batches=len(source), wall_s=time.perf_counter() - started)
         if self._colocated is None:
-            self._colocated = ColocatedExecutor(actor, self.ref, self.colocated_cfg, self.meter)
+            self._colocated = ColocatedExecutor(actor, self.ref, self.colocated_cfg, self.meter,
+                                                ref_offloader=self._ref_parking)
         return self._colocated.run_step(source)
 
     def train(self, trajectories: list[dict[str, Any]]) -> tuple[StepResult, dict[str, float]]:

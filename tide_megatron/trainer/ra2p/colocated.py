@@ -86,13 +86,15 @@ class ColocatedExecutor:
     """
 
     def __init__(self, actor: MegatronActor, ref: ReferenceModel, cfg: Optional[ColocatedConfig] = None,
-                 meter: Optional[CostMeter] = None):
+                 meter: Optional[CostMeter] = None, ref_offloader: Optional[ModelOffloader] = None):
+        """`ref_offloader`: the Ref's offloader when its owner parks it too (a role change then
+        finds it parked, not resident); it must keep a host copy."""
         self.actor = actor
         self.ref = ref
         self.cfg = cfg or ColocatedConfig()
         self.meter = meter
         self.actor_offloader = ModelOffloader(actor.model, self.cfg.actor_offload, optimizer=actor.optimizer)
-        self.ref_offloader = ModelOffloader(ref.model, self.cfg.ref_offload)
+        self.ref_offloader = ref_offloader or ModelOffloader(ref.model, self.cfg.ref_offload)
         if self.cfg.offload:
             self.ref_offloader.offload()
         if actor.cfg.loss_in_backward:
