@@ -103,11 +103,11 @@ def _rank(rank: int, args, hf_dir: str, port: int, out_dir: str) -> None:
             records.append({"transition": name, "times": times})
             spmd_step(worker, make_batch(i + 1, vocab), mode)
         sizes = {}
-        if worker.actor is not None:
+        if worker.actor is not None:  # resident between steps: weights, grad buffer, Adam state
             sizes["actor_state_bytes"] = ModelOffloader(worker.actor.model, OffloadConfig(optimizer_state=True),
                                                         optimizer=worker.actor.optimizer).nbytes
-        if worker.ref is not None:
-            sizes["ref_bytes"] = ModelOffloader(worker.ref.model, OffloadConfig(grads=False)).nbytes
+        if worker.ref is not None:  # counted from shapes: it may be parked (storages freed) now
+            sizes["ref_bytes"] = sum(p.numel() * p.element_size() for p in worker.ref.model.parameters())
         torch.save({"records": records, "sizes": sizes}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
