@@ -217,7 +217,8 @@ class TrainerWorker:
                 times["state_send_s"] = times.get("state_send_s", 0.0) + send_actor_state(self.actor, dst, group)
             if t.state_source is not None:
                 times["state_recv_s"] = recv_actor_state(self.actor, t.state_source, group)
-        if t.ref == "load":
+        # A dedicated reference serves from resident weights; an ACTOR_REF one kept it parked.
+        if t.ref == "load" or (self.role is Role.REF and self.ref is not None and not self._ref_parking.resident):
             times.update(self._load_ref())
         times["total_s"] = time.perf_counter() - started
         self.last_transition = times

@@ -160,16 +160,23 @@ def scenario_single(rank, registry, mailbox, hf_dir, out_dir) -> dict:
 
 
 def scenario_tp2dp2(rank, registry, mailbox, hf_dir, out_dir) -> dict:
-    """Decoupled step, colocated step, checkpoint, one more step, load the checkpoint back."""
+    """Decoupled step, colocated step, checkpoint, one more step, load the checkpoint back, then
+    that step again, decoupled, with the second actor block as a TP=2 reference unit."""
     from tide_megatron.trainer.assignment import TrainerAssignment
 
     assignment = TrainerAssignment(registry.layout, 2, ref_ranks=(4,), actors_hold_ref=True)
     worker = _worker(registry, assignment, hf_dir, out_dir)
     out: dict = {}
     if rank != 0:
+        load = worker.load
+
+        def load_and_record(path):  # the state each actor rank read back
+            step = load(path)
+            out["params_loaded"] = params(worker)
+            return step
+
+        worker.load = load_and_record
         serve_until_stopped(worker, mailbox)
-        if rank < 4:
-            out["params_final"] = params(worker)
         return out
     out["steps"] = [drive_step(worker, mailbox, make_batch(1), "decoupled"),
                     drive_step(worker, mailbox, make_batch(2), "colocated")]
@@ -182,7 +189,14 @@ def scenario_tp2dp2(rank, registry, mailbox, hf_dir, out_dir) -> dict:
     for r in range(1, 4):
         mailbox.post(r, "load", path=path)
     worker.load(path)  # collective over the four actor ranks
-    out["params_final"] = params(worker)
+    out["params_loaded"] = params(worker)
+    # Block 1 becomes a TP=2 reference unit (it held the reference as ACTOR_REF), rank 4 rolls
+    # out: step 3 again, decoupled at DP=1 from the loaded state, must land where the colocated
+    # DP=2 step 3 did.
+    out["transitions"] = change_roles(worker, mailbox, TrainerAssignment(
+        registry.layout, 1, ref_ranks=(2, 3), actors_hold_ref=False), 5)
+    out["steps"].append(drive_step(worker, mailbox, make_batch(3), "decoupled"))
+    out["params_after_3_again"] = params(worker)
     _stop_all(mailbox, 5)
     return out
 

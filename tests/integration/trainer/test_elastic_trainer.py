@@ -65,7 +65,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def test_tp2_dp2_steps_match_a_single_rank_on_the_same_batches(single, tp2dp2):
     rank0 = tp2dp2[0]
-    assert [s["mode"] for s in rank0["steps"]] == ["decoupled", "colocated", "colocated"]
+    assert [s["mode"] for s in rank0["steps"]] == ["decoupled", "colocated", "colocated", "decoupled"]
     for ours, ref in zip(rank0["steps"], single["steps"]):
         assert ours["num_tokens"] == ref["num_tokens"]  # the whole global batch, once
         assert ours["loss"] == pytest.approx(ref["loss"], abs=1e-5)
@@ -79,7 +79,18 @@ def test_checkpoint_of_tp2_dp2_loads_back_on_every_actor_rank(single, tp2dp2):
     assert _max_diff(tp2dp2[0]["params_after_3"], tp2dp2[0]["params_after_2"]) > 1e-4  # step 3 moved them
     for rank in range(4):
         shard = _shard_of(single["hf_after_2"], rank % 2)
-        assert _max_diff(tp2dp2[rank]["params_final"], shard) < ATOL, rank
+        assert _max_diff(tp2dp2[rank]["params_loaded"], shard) < ATOL, rank
+
+
+def test_an_actor_block_turned_tp2_reference_unit_serves_a_decoupled_step(tp2dp2):
+    rank0 = tp2dp2[0]
+    moves = rank0["transitions"]
+    assert "actor_release_s" in moves[2] and "actor_release_s" in moves[3]  # block 1 left the actors
+    assert "ref_restore_host_s" in moves[2] and "ref_release_s" in moves[4]  # its reference, resident
+    again, first = rank0["steps"][3], rank0["steps"][2]
+    assert again["num_tokens"] == first["num_tokens"] and again["peer_losses"] == [pytest.approx(again["loss"])]
+    assert again["loss"] == pytest.approx(first["loss"], abs=1e-5)  # same state, same batch
+    assert _max_diff(rank0["params_after_3_again"], rank0["params_after_3"]) < ATOL
 
 
 def test_dp_change_4_2_4_keeps_weights_and_optimizer_state(dp_change):
