@@ -10,8 +10,8 @@ without (VS) model offloading; per-step time and the ratio to VSO.
 Each method runs in fresh processes (Megatron's CPU shims are process-wide): VS, VSO and CM in
 one process (Ref and Actor colocated); DM in two, a Ref rank and an Actor rank, each its own
 default group, with the log-probs streamed over a gloo group between them. On one machine DM
-therefore uses two processes (two cores on CPU, two GPUs on CUDA) where the others use one;
-the JSON notes say so. Timings: the executors' own (CUDA-synchronised on GPU); the step time is
+therefore uses two processes (two cores on CPU; two GPUs on CUDA, or both on GPU 0 when the
+machine has one) where the others use one; the JSON notes say which. Timings: the executors' own (CUDA-synchronised on GPU); the step time is
 the median over the measured steps after `--warmup` steps.
 Writes benchmarks/results/ra2p_microbench.json (command, machine, date, figures).
 """
@@ -153,7 +153,7 @@ def _worker(rank: int, args, hf_dir: str, method: str, ports: tuple[int, int]) -
 
     try:
         # Every process is its own single-rank default world (DM's two ranks meet on the stream
-        # group only); on CUDA each DM rank gets its own GPU.
+        # group only); on CUDA each DM rank gets its own GPU, or both share GPU 0 when there is one.
         if args.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.HashStore(),

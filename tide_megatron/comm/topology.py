@@ -1,18 +1,19 @@
 """Processes and process groups of a job: who is rollout, who trains, who controls.
 
-torchrun starts W ranks. Rank 0 always trains and also runs the controller. The last
-`cluster.rollout_ranks` ranks start as rollout; the others train. Every group is made
-here, once, at start-up, from the job's rendezvous store:
+torchrun starts W ranks. Rank 0 always trains and also runs the controller. The first
+`W - rollout_ranks - ref_ranks` ranks start as actors (whole TP blocks), the next `ref_ranks`
+as dedicated reference ranks, the last `rollout_ranks` as rollout. Roles change later (ERS),
+so every rank joins everything a role may need, once, at start-up:
 
-- the trainer world: torch.distributed's default group spans the actor ranks only.
-  Megatron-core runs collectives on the default group in places (optimizer param groups,
-  dist_checkpointing barriers), so rollout ranks must not be in it. Actor ranks come
-  first, so an actor's rank in that world is its global rank. A dedicated reference rank
-  (decoupled RA2P) is a Megatron world of its own (it never reduces gradients). Rollout
-  ranks have no default group at all, which keeps torch.distributed out of SGLang's way.
-- the job group: a gloo group over all W ranks, held as an object (not registered as a
-  default), for the weight broadcast. Every rank is in it, so a rank that changes role
-  later needs no new group to send or receive weights.
+- the default group: torch.distributed's world over all W ranks. It is also the job group:
+  the weight broadcast and the reference log-prob stream run on it (gloo; with CUDA the same
+  group also has an NCCL backend). Rollout ranks are in it, so the trainer never runs a
+  collective on it: Megatron gets its groups explicitly (below), and its few calls that
+  insist on the default group run with the current actors' group standing in for it
+  (`groups.as_default_group`).
+- the trainer's groups: `groups.GroupRegistry` over the layout of W ranks in TP blocks
+  (single-rank, TP, and per DP size the DP and all-actor groups), from which a role change
+  selects; it never creates one.
 - control messages go through the store itself (see `mailbox.py`).
 """
 
@@ -26,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tide_megatron.comm.groups import GroupLayout, GroupRegistry, new_group_factory, set_registry
 from tide_megatron.core.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -33,20 +35,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Topology:
-    """This rank's place in the job."""
+    """This rank's place in the job at start-up."""
 
     rank: int
     world_size: int
     trainer_ranks: list[int]
-    """Actor ranks (the Megatron world of the trained policy)."""
+    """Actor ranks at start-up."""
     rollout_ranks: list[int]
     store: dist.Store
     """The job's key-value store (torchrun's rendezvous store), under a `tide/` prefix."""
     job_group: dist.ProcessGroup
-    """gloo over every rank of the job: the weight broadcast."""
-
+    """Every rank of the job (the default group): the weight broadcast, reference log-probs."""
+    groups: GroupRegistry
+    """This rank's trainer groups, made at start-up."""
+    seed: int = 0
     ref_ranks: list[int] = field(default_factory=list)
-    """Dedicated reference ranks (decoupled RA2P)."""
+    """Dedicated reference ranks at start-up (decoupled RA2P)."""
 
     @property
     def role(self) -> Role:
@@ -66,9 +70,20 @@ class Topology:
         return self.rank in self.trainer_ranks
 
 
+_TOPOLOGY: Topology | None = None
+
+
+def current_topology() -> Topology:
+    """The topology `init_topology` set up in this process."""
+    if _TOPOLOGY is None:
+        raise RuntimeError("no job topology in this process: call comm.topology.init_topology first")
+    return _TOPOLOGY
+
+
 def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 0,
                   timeout_s: float = 1800.0) -> Topology:
     """Join the torchrun job, split the ranks and create every process group."""
+    global _TOPOLOGY
     if "RANK" not in os.environ:
         raise RuntimeError(
             "launch/train.py must run under torchrun (it needs RANK, WORLD_SIZE, MASTER_ADDR): "
@@ -76,11 +91,25 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     n_train = world - rollout_ranks - ref_ranks
+    layout = GroupLayout(world, tp_size)
+    layout.actor_blocks_of(range(n_train))  # the start-up actors must be whole TP blocks
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     # torchrun keeps its store across `--max-restarts`: each attempt gets its own keys, or a
     # restarted job would read the dead attempt's mailboxes and process-group addresses.
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # gloo carries the control-plane tensors (weights on CPU, log-probs); NCCL, when there is a
+    # GPU, the gradients.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("tide/world", store), rank=rank,
+                            world_size=world, timeout=timeout)
+    # The trainer's groups carry device tensors only: NCCL alone with a GPU (connects on first
+    # use, so the unused configurations cost nothing), gloo without.
+    registry = GroupRegistry.build(layout, rank, new_group_factory(
+        backend="nccl" if torch.cuda.is_available() else None, timeout_s=timeout_s))
+    set_registry(registry)
     topo = Topology(
         rank=rank,
         world_size=world,
@@ -88,29 +117,21 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 
         rollout_ranks=list(range(n_train + ref_ranks, world)),
         ref_ranks=list(range(n_train, n_train + ref_ranks)),
         store=dist.PrefixStore("tide", store),
-        job_group=dist.ProcessGroupGloo(dist.PrefixStore("tide/job_group", store), rank, world, timeout),
+        job_group=dist.group.WORLD,
+        groups=registry,
+        seed=seed,
     )
-    if topo.role is not Role.ROLLOUT:
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if topo.trains:
-            world_store, world_rank, world_size, tp = dist.PrefixStore("tide/trainers", store), rank, n_train, tp_size
-        else:
-            world_store, world_rank, world_size, tp = dist.PrefixStore(f"tide/ref{rank}", store), 0, 1, 1
-        dist.init_process_group(backend=backend, store=world_store, rank=world_rank, world_size=world_size,
-                                timeout=timeout)
-        from tide_megatron.models.megatron_gpt import init_parallel
-
-        init_parallel(tp_size=tp, seed=seed)
-    logger.info("rank %d/%d: %s", rank, world, topo.role.name)
+    _TOPOLOGY = topo
+    logger.info("rank %d/%d: %s; %d process groups of %d in %.2f s", rank, world, topo.role.name,
+                len(registry.groups), layout.num_groups, registry.startup_s)
     return topo
 
 
 def close_topology(topo: Topology) -> None:
-    """Tear the groups down in order (an unowned gloo group aborts the process at exit)."""
-    if hasattr(topo.job_group, "shutdown"):
-        topo.job_group.shutdown()
+    """Tear the groups down (an unowned gloo group aborts the process at exit)."""
+    global _TOPOLOGY
+    set_registry(None)
+    _TOPOLOGY = None
     topo.job_group = None
     if dist.is_initialized():
         dist.destroy_process_group()

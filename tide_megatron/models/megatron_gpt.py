@@ -2,13 +2,16 @@
 
 Everything uses Megatron-core's local (non-Transformer-Engine) spec so that one code path runs on
 CPU (gloo) and GPU (NCCL). On CPU, `install_megatron_cpu_shims()` must run first; `init_parallel`
-does that.
+does that. Models take their process groups as a `ProcessGroupCollection` (`comm/groups.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import traceback
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,14 +20,16 @@ from tide_megatron.compat.megatron_cpu import install_megatron_cpu_shims
 from tide_megatron.models.config import ModelConfig
 
 
-def init_parallel(tp_size: int = 1, seed: int = 0, timeout_s: float = 600.0) -> None:
-    """Initialise torch.distributed (from torchrun/spawn env vars) and Megatron's parallel state.
+def init_parallel(tp_size: int = 1, seed: int = 0, timeout_s: float = 600.0):
+    """Join torch.distributed (from torchrun/spawn env vars) and create this rank's process groups.
 
-    Idempotent. Backend: NCCL with CUDA, gloo without. Pipeline parallelism is 1: the RL trainer
-    shards the tiny-to-mid models it trains with TP and DP only. `seed` seeds Megatron's RNG
-    tracker, which initialises TP-sharded weights (overwritten later by the HF checkpoint).
+    Idempotent; returns the process's `comm.groups.GroupRegistry` (layout: the whole world in TP
+    blocks of `tp_size`, see `comm/groups.py`). Backend: NCCL with CUDA, gloo without. Megatron's
+    global `parallel_state` stays uninitialised: models, DDP, optimizer and schedule take the
+    registry's groups explicitly. `seed` seeds Megatron's RNG tracker, which initialises
+    TP-sharded weights (overwritten later by the HF checkpoint).
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from tide_megatron.comm import groups
 
     install_megatron_cpu_shims()
     if not torch.distributed.is_initialized():
@@ -32,30 +37,56 @@ def init_parallel(tp_size: int = 1, seed: int = 0, timeout_s: float = 600.0) -> 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    if not parallel_state.model_parallel_is_initialized():
-        world = torch.distributed.get_world_size()
-        if world % tp_size:
-            raise ValueError(f"world size {world} does not divide by tensor-parallel size {tp_size}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tp_size:
-        raise RuntimeError(
-            f"parallel state already initialised with TP="
-            f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for TP={tp_size}"
-        )
-    # The default tracker reads the CUDA RNG state; the inference tracker does not.
+    layout = groups.GroupLayout(torch.distributed.get_world_size(), tp_size)
+    current = groups.registry(required=False)
+    if current is None:
+        current = groups.GroupRegistry.build(layout, torch.distributed.get_rank(),
+                                             groups.new_group_factory(timeout_s=timeout_s))
+        groups.set_registry(current)
+    elif current.layout != layout:
+        raise RuntimeError(f"process groups already set up for {current.layout}, asked for {layout}")
+    seed_megatron(seed, current.layout.tp_position(current.rank))
+    return current
+
+
+def seed_megatron(seed: int, tp_rank: int) -> None:
+    """Megatron's per-process state that is not a process group: the RNG tracker (seeded for this
+    TP rank; the default tracker reads the CUDA RNG state, the inference tracker does not) and
+    the scratch buffer its attention uses."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
     tensor_parallel.model_parallel_cuda_manual_seed(
-        seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
-    )
+        seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True,
+        tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the default process group (end of a test or a run)."""
-    from megatron.core import parallel_state
+    """Forget the process groups and tear down the default process group (end of a test or a run)."""
+    from tide_megatron.comm import groups
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    groups.set_registry(None)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def spawned_rank(rank: int, world: int, port: int, threads: int = 1) -> Iterator[None]:
+    """Run the block as rank `rank` of a job of `world` processes on this machine (the children
+    of `torch.multiprocessing.spawn` in tests and benchmarks): env:// rendezvous on `port`,
+    `threads` torch threads, the traceback printed on failure (spawn reports only the exit), and
+    the process groups torn down at the end."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        yield
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        destroy_parallel()
 
 
 def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False):
@@ -109,20 +140,23 @@ def unfused_config_kwargs(tp: int, bf16: bool) -> dict:
     )
 
 
-def build_gpt_model(cfg: ModelConfig, tp: int | None = None, bf16: bool = False):
+def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False):
     """A Megatron-core `GPTModel` (local spec, RoPE, Qwen2 layout) on the current device.
 
-    Weights are Megatron's random init; load real ones with
+    `groups`: the Megatron `ProcessGroupCollection` it runs on (its TP group sets the TP size);
+    default: this rank's forward-only collection from the start-up registry. Weights are
+    Megatron's random init; load real ones with
     `tide_megatron.models.weight_conversion.load_hf_into_megatron`. `parallel_output=True`: the
     logits stay vocab-sharded under TP and log-probs use the vocab-parallel cross entropy.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if tp is None:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-    config = megatron_transformer_config(cfg, tp=tp, bf16=bf16)
+    if groups is None:
+        from tide_megatron.comm.groups import registry
+
+        groups = registry().model_groups()
+    config = megatron_transformer_config(cfg, tp=groups.tp.size(), bf16=bf16)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -134,6 +168,7 @@ def build_gpt_model(cfg: ModelConfig, tp: int | None = None, bf16: bool = False)
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_theta),
+        pg_collection=groups,
     )
     if torch.cuda.is_available():
         model = model.cuda()

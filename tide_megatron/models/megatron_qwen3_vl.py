@@ -79,24 +79,36 @@ def _scatter_rows(hidden: torch.Tensor, mask: torch.Tensor, values: torch.Tensor
 class Qwen3VLModel(megatron_module_base()):
     """Qwen3-VL: images -> vision tower -> image pads of the token embeddings -> GPTModel."""
 
-    def __init__(self, cfg: VLModelConfig, tp: int, bf16: bool = False):
+    def __init__(self, cfg: VLModelConfig, groups, bf16: bool = False):
+        """`groups`: the Megatron `ProcessGroupCollection` it runs on (its TP group sets the TP
+        size); the vision tower and the language model share it."""
         from megatron.core.enums import ModelType
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.module import MegatronModule
 
+        tp = groups.tp.size()
         cfg.check_tensor_parallel(tp)
         config = language_transformer_config(cfg, tp, bf16)
         super().__init__(config=config)
         self.cfg = cfg
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
+        # Read by the log-prob and weight-conversion code (as on a GPTModel) and by
+        # MegatronModule.sharded_state_dict (else it falls back to the uninitialised parallel_state).
+        self.pg_collection, self.tp_group = groups, groups.tp
         self.language_model = GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True),
             vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings, pre_process=True,
             post_process=True, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-            position_embedding_type="mrope", rotary_base=int(cfg.rope_theta))
+            position_embedding_type="mrope", rotary_base=int(cfg.rope_theta), pg_collection=groups)
         self.language_model.rotary_pos_emb = _interleaved_mrope_class()(cfg.head_dim, cfg.rope_theta)
-        self.vision = Qwen3VLVisionTower(cfg.vision, tp, bf16)
+        self.vision = Qwen3VLVisionTower(cfg.vision, groups, bf16)
+        # Megatron modules that take no group (the projector, the ViT block's children) read the
+        # global parallel_state in sharded_state_dict, which is never initialised here.
+        for module in self.modules():
+            if isinstance(module, MegatronModule) and not hasattr(module, "tp_group"):
+                module.tp_group = groups.tp
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         for j in range(len(cfg.vision.deepstack_visual_indexes)):
             self.language_model.decoder.layers[j].register_forward_hook(self._deepstack_hook(j))
@@ -138,14 +150,15 @@ class Qwen3VLModel(megatron_module_base()):
             self._deepstack = None
 
 
-def build_qwen3_vl_model(cfg: VLModelConfig, tp: int | None = None, bf16: bool = False) -> Qwen3VLModel:
+def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False) -> Qwen3VLModel:
     """A Megatron `Qwen3VLModel` on the current device (random init; load HF weights with
-    `qwen3_vl_conversion.load_hf_into_qwen3_vl`)."""
-    from megatron.core import parallel_state
+    `qwen3_vl_conversion.load_hf_into_qwen3_vl`). `groups`: its `ProcessGroupCollection`
+    (default: this rank's forward-only collection from the start-up registry)."""
+    if groups is None:
+        from tide_megatron.comm.groups import registry
 
-    if tp is None:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-    model = Qwen3VLModel(cfg, tp, bf16)
+        groups = registry().model_groups()
+    model = Qwen3VLModel(cfg, groups, bf16)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

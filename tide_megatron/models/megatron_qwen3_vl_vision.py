@@ -78,7 +78,7 @@ def megatron_module_base():
 class Merger(megatron_module_base()):
     """LayerNorm + Megatron MLP projector over merge blocks (`postshuffle`: norm after grouping)."""
 
-    def __init__(self, v: VisionTowerConfig, config, postshuffle: bool):
+    def __init__(self, v: VisionTowerConfig, config, postshuffle: bool, tp_group):
         from megatron.core.models.vision.multimodal_projector import MultimodalProjector
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
         from megatron.core.transformer.mlp import MLPSubmodules
@@ -90,7 +90,7 @@ class Merger(megatron_module_base()):
                                        dtype=config.params_dtype)
         self.projector = MultimodalProjector(
             config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            projector_type="mlp", input_size=v.merged_size)
+            projector_type="mlp", input_size=v.merged_size, tp_group=tp_group)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """# [patches, vision width] in merge-block order -> [patches / merge^2, LM width]"""
@@ -114,9 +114,12 @@ class MergerList(megatron_module_base()):
 class Qwen3VLVisionTower(megatron_module_base()):
     """Pixel values of several images -> their image-token embeddings and DeepStack features."""
 
-    def __init__(self, v: VisionTowerConfig, tp: int, bf16: bool = False):
+    def __init__(self, v: VisionTowerConfig, groups, bf16: bool = False):
+        """`groups`: the Megatron `ProcessGroupCollection` of the model (its TP group shards the
+        attention heads and MLPs as in the language model)."""
         from megatron.core.transformer.transformer_block import TransformerBlock
 
+        tp = groups.tp.size()
         config = vision_transformer_config(v, tp, bf16)
         super().__init__(config=config)
         self.cfg = v
@@ -125,10 +128,10 @@ class Qwen3VLVisionTower(megatron_module_base()):
         self.patch_embed = torch.nn.Conv3d(v.in_channels, v.hidden_size, kernel, stride=kernel, bias=True, dtype=dtype)
         self.pos_embed = torch.nn.Embedding(v.num_position_embeddings, v.hidden_size, dtype=dtype)
         self.side = int(v.num_position_embeddings ** 0.5)
-        self.decoder = TransformerBlock(config, _vit_layer_spec(), post_layer_norm=False)
+        self.decoder = TransformerBlock(config, _vit_layer_spec(), post_layer_norm=False, pg_collection=groups)
         proj_cfg = merger_config(v, tp, bf16)
-        self.merger = Merger(v, proj_cfg, postshuffle=False)
-        self.deepstack_mergers = MergerList(proj_cfg, [Merger(v, proj_cfg, postshuffle=True)
+        self.merger = Merger(v, proj_cfg, postshuffle=False, tp_group=groups.tp)
+        self.deepstack_mergers = MergerList(proj_cfg, [Merger(v, proj_cfg, postshuffle=True, tp_group=groups.tp)
                                                        for _ in v.deepstack_visual_indexes])
         self._deepstack_layers = sorted(v.deepstack_visual_indexes)
         # Megatron's torch-norm wrapper builds its LayerNorms in fp32 whatever params_dtype says;

@@ -155,9 +155,9 @@ def megatron_to_hf(model: torch.nn.Module, cfg: ModelConfig,
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every weight of a (TP-sharded) Megatron GPTModel.
 
-    Collective over `tp_group` (default: Megatron's TP group): every TP rank must iterate it to
-    the end, in the same order. Tensors are detached, contiguous, on the model's device, in the
-    model's dtype: the shape SGLang's `update_weights_from_tensor` /
+    Collective over `tp_group` (default: the model's own, `GPTModel.pg_collection.tp`): every TP
+    rank must iterate it to the end, in the same order. Tensors are detached, contiguous, on
+    the model's device, in the model's dtype: the shape SGLang's `update_weights_from_tensor` /
     `update_weights_from_distributed` take. With tied embeddings `lm_head.weight` is not yielded
     (HF and SGLang tie it to `model.embed_tokens.weight`).
     """
@@ -169,16 +169,13 @@ def gather_tp_shards(model: torch.nn.Module, tp_group: "torch.distributed.Proces
                      ) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """(Megatron name, every TP rank's shard in rank order) of each parameter, in module order.
 
-    Collective over `tp_group` (default: Megatron's TP group). A parameter that is not
+    Collective over `tp_group` (default: the model's own, `pg_collection.tp`). A parameter that is not
     TP-sharded is the same on every rank: its local tensor stands for every shard.
     """
     model = unwrap_model(model)
     if tp_group is None:
-        from megatron.core import parallel_state
-
-        tp_group = parallel_state.get_tensor_model_parallel_group() if (
-            parallel_state.model_parallel_is_initialized()) else None
-    tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+        tp_group = model.pg_collection.tp
+    tp_size = tp_group.size()
     for name, param in model.named_parameters():
         local = param.detach().contiguous()
         if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
@@ -204,13 +201,11 @@ def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | di
 
 def copy_shard_into(model: torch.nn.Module, make_shard) -> None:
     """Copy `make_shard(tp_rank, tp_size)` (Megatron name -> this rank's tensor) into `model`,
-    after checking that it names every parameter, and nothing else, with the right shapes."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    shard = make_shard(tp_rank, tp_size)
+    after checking that it names every parameter, and nothing else, with the right shapes. The
+    TP rank and size are those of the model's own TP group (`pg_collection.tp`)."""
     module = unwrap_model(model)
+    tp_group = module.pg_collection.tp
+    shard = make_shard(tp_group.rank(), tp_group.size())
     params = dict(module.named_parameters())
     missing = set(params) - set(shard)
     unexpected = set(shard) - set(params)

@@ -8,6 +8,10 @@ gradient is that of the token mean over all micro-batches and DP ranks.
 With `TrainerConfig.loss_in_backward`, the loss function does not read the reference log-probs in
 the forward pass; it wraps them in a pending handle that the backward pass waits on (RA2P's
 decoupled mode, see `loss_in_backward.py`).
+
+Process groups come from the start-up registry (`comm/groups.py`) as a Megatron
+`ProcessGroupCollection`; `MegatronActor.set_data_parallel` switches the actor to the collection
+of another DP size between steps (ERS), without creating a group.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ def _device() -> torch.device:
 class ReferenceModel:
     """A frozen GPTModel: forward-only per-token log-probs for the KL penalty."""
 
-    def __init__(self, model_cfg: PolicyConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False):
+    def __init__(self, model_cfg: PolicyConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False,
+                 groups=None):
+        """`groups`: the `ProcessGroupCollection` to run on (default: this rank's home TP group,
+        `GroupRegistry.model_groups()`)."""
         self.model_cfg = model_cfg
         self.banned_token_ids = banned_token_ids(model_cfg)
-        self.model = build_model(model_cfg, bf16=bf16)
+        self.model = build_model(model_cfg, groups, bf16=bf16)
         load_hf_weights(self.model, hf_checkpoint_dir, model_cfg)
         self.model.eval()
         for param in self.model.parameters():
@@ -78,33 +85,50 @@ class MegatronActor:
     """The trained policy: Megatron GPTModel + DDP + Megatron optimizer."""
 
     def __init__(self, model_cfg: PolicyConfig, trainer_cfg: TrainerConfig,
-                 hf_checkpoint_dir: str | os.PathLike):
+                 hf_checkpoint_dir: str | os.PathLike | None, groups=None):
+        """`hf_checkpoint_dir` None leaves Megatron's random init (a joining rank that receives
+        the current weights and optimizer state). `groups`: the `ProcessGroupCollection` of this
+        rank's actor configuration (default: every TP block of the job trains,
+        `GroupRegistry.actor_groups`). Construction communicates with no other rank."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from tide_megatron.comm.groups import as_default_group, registry
+
+        if groups is None:
+            groups = registry().actor_groups(registry().layout.num_blocks)
         self.model_cfg = model_cfg
         self.banned_token_ids = banned_token_ids(model_cfg)
         self.cfg = trainer_cfg
+        self.groups = groups
         self.step = 0
-        model = build_model(model_cfg, bf16=trainer_cfg.bf16)
+        model = build_model(model_cfg, groups, bf16=trainer_cfg.bf16)
         # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
-        load_hf_weights(model, hf_checkpoint_dir, model_cfg)
+        if hf_checkpoint_dir is not None:
+            load_hf_weights(model, hf_checkpoint_dir, model_cfg)
         # Token mean over the step across DP ranks: the schedule all-reduces the token count and
         # divides by it, so DDP must not also scale by 1/DP (it reads this flag when built).
         model.config.calculate_per_token_loss = True
+        distributed = trainer_cfg.distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
-        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=trainer_cfg.lr, min_lr=trainer_cfg.lr,
-                weight_decay=trainer_cfg.weight_decay, adam_beta1=trainer_cfg.adam_beta1,
-                adam_beta2=trainer_cfg.adam_beta2, adam_eps=trainer_cfg.adam_eps,
-                clip_grad=trainer_cfg.clip_grad, bf16=trainer_cfg.bf16,
-                params_dtype=torch.bfloat16 if trainer_cfg.bf16 else torch.float32,
-                use_distributed_optimizer=False),
-            [self.model])
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                             pg_collection=groups)
+        # Megatron aligns param groups with an all_gather_object over the default group (the
+        # whole job, rollout ranks included). Every rank builds the same model, so there is
+        # nothing to align: the rank alone (its PP group) stands in, and a rank can build its
+        # actor whenever it joins, without the others.
+        with as_default_group(groups.pp):
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=trainer_cfg.lr, min_lr=trainer_cfg.lr,
+                    weight_decay=trainer_cfg.weight_decay, adam_beta1=trainer_cfg.adam_beta1,
+                    adam_beta2=trainer_cfg.adam_beta2, adam_eps=trainer_cfg.adam_eps,
+                    clip_grad=trainer_cfg.clip_grad, bf16=trainer_cfg.bf16,
+                    params_dtype=torch.bfloat16 if trainer_cfg.bf16 else torch.float32,
+                    use_distributed_optimizer=distributed),
+                [self.model], pg_collection=groups, use_gloo_process_groups=False)
         # Megatron's schedule reads these hooks from the model config.
         config = model.config
         config.no_sync_func = self.model.no_sync
@@ -115,6 +139,40 @@ class MegatronActor:
     def module(self) -> torch.nn.Module:
         """The bare Megatron model (for conversion and checkpointing)."""
         return unwrap_model(self.model)
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp.size()
+
+    def set_data_parallel(self, groups) -> None:
+        """Train under another DP size from the next step on: `groups` is the registry's
+        collection for the new configuration (same TP group). Between steps only.
+
+        With the plain optimizer nothing else depends on the DP size: every DP rank holds the
+        whole optimizer state, DDP's grad buffer is laid out without DP padding, and the
+        per-token loss scales gradients by the step's all-reduced token count, not by 1/DP. So
+        the switch re-points DDP's reduce groups (megatron-core 0.16.1 attributes; the
+        integration test checks the gradients against a fresh actor). The distributed optimizer
+        shards state and pads buffers by DP size: not switchable here.
+        """
+        if groups.tp is not self.groups.tp:
+            raise ValueError("set_data_parallel keeps the TP group; a new TP layout needs a new actor")
+        if groups is self.groups:
+            return
+        if self.cfg.distributed_optimizer:
+            raise NotImplementedError(
+                "changing the DP size with trainer.distributed_optimizer=true: the optimizer shards "
+                "would have to be regathered and the buffers re-padded; use the plain optimizer for "
+                "elastic trainers")
+        dp = groups.dp
+        ddp = self.model
+        for name in ("dp_group", "dp_cp_group", "intra_dp_cp_group", "expt_dp_group", "intra_expt_dp_group"):
+            setattr(ddp, name, dp)
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            buffer.data_parallel_group, buffer.data_parallel_world_size, buffer.dp_cp_group = dp, dp.size(), dp
+        for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            bucket_group.data_parallel_group = dp
+        self.groups = groups
 
     @torch.no_grad()
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
@@ -165,7 +223,7 @@ class MegatronActor:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        forward_backward = get_forward_backward_func()
+        forward_backward = get_forward_backward_func(pp_size=1, vp_size=None)
         return forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=data_iterator,
@@ -174,6 +232,7 @@ class MegatronActor:
             seq_length=1,  # unused without PP
             micro_batch_size=1,  # unused without PP
             forward_only=False,
+            pg_collection=self.groups,  # the DP group of the current configuration
         )
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
@@ -203,22 +262,17 @@ class MegatronActor:
             update_successful=bool(update_successful), step=self.step,
             ref_wait_s=sum(float(r.get("ref_wait_s", 0.0)) for r in reports))
 
-    @staticmethod
-    def _reduce_reports(reports: list[dict]) -> dict[str, list[float]]:
+    def _reduce_reports(self, reports: list[dict]) -> dict[str, list[float]]:
         """Sum [sum, count] metric pairs over micro-batches, then over the DP group."""
-        from megatron.core import parallel_state
-
         keys = METRIC_KEYS
         stacked = torch.zeros(len(keys), 2, dtype=torch.float64)
         for report in reports:
             for i, key in enumerate(keys):
                 stacked[i] += report[key].detach().to("cpu", torch.float64)
-        if torch.distributed.is_initialized():
-            dp_group = parallel_state.get_data_parallel_group()
-            if torch.distributed.get_world_size(dp_group) > 1:
-                buf = stacked.to(_device())
-                torch.distributed.all_reduce(buf, group=dp_group)
-                stacked = buf.cpu()
+        if self.groups.dp.size() > 1:
+            buf = stacked.to(_device())
+            torch.distributed.all_reduce(buf, group=self.groups.dp)
+            stacked = buf.cpu()
         return {key: stacked[i].tolist() for i, key in enumerate(keys)}
 
     # ---- weights out -------------------------------------------------------------------

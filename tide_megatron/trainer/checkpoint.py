@@ -22,6 +22,13 @@ like model weights (see docs/threat_model.md).
 
 The format is dist_checkpointing's, which can reshard to another TP size on load; the tests
 cover save/load at the same TP size only (TP=1 and TP=2).
+
+Who takes part: every current actor rank, and no other. dist_checkpointing runs its collectives
+on the default group, which spans the whole job (rollout ranks too), so they run with the
+actors' group of the current configuration as the default (`comm.groups.as_default_group`; the
+actors are ranks 0..n-1, so its ranks are the global ranks). DP replicas beyond the first write
+nothing (Megatron's replica ids); a rank that joins later receives the state from a current
+actor instead of reading it (`state_transfer.py`).
 """
 
 from __future__ import annotations
@@ -255,7 +262,7 @@ def find_resumable(root: str | os.PathLike,
 
 # -- Megatron side ------------------------------------------------------------------------------
 def _sharded_state_dict(actor: "MegatronActor", is_loading: bool) -> dict:
-    model_sd = actor.module.sharded_state_dict()
+    model_sd = actor.module.sharded_state_dict(metadata={"dp_cp_group": actor.groups.dp_cp})
     return {
         "model": model_sd,
         "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -263,45 +270,37 @@ def _sharded_state_dict(actor: "MegatronActor", is_loading: bool) -> dict:
     }
 
 
-def _rank() -> int:
-    import torch
-
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _barrier() -> None:
-    import torch
-
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def save_checkpoint(actor: "MegatronActor", root: str | os.PathLike,
                     run_state: Optional[dict[str, Any]] = None) -> str:
     """Write the actor's model, optimizer and step under `root`; returns the step directory.
 
-    Collective: every rank of the actor must call it. `run_state` (rank 0's, JSON-able) is
-    saved beside the shards, before the manifest and `latest` are written.
+    Collective over every actor rank of the current configuration (`actor.groups.tp_dp_cp`).
+    `run_state` (rank 0's, JSON-able) is saved beside the shards, before the manifest and
+    `latest` are written.
     """
+    import torch
     from megatron.core import dist_checkpointing
+
+    from tide_megatron.comm.groups import as_default_group
 
     root = os.fspath(root)
     path = os.path.join(root, step_dir_name(actor.step))
-    rank = _rank()
-    if rank == 0:
-        # What an older save left here (a run that fell back past this step, or an earlier run
-        # in this output directory) would be listed in the new manifest: start empty.
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-    _barrier()
-    dist_checkpointing.save(_sharded_state_dict(actor, is_loading=False), path)
-    _barrier()
-    if rank == 0:
-        if run_state is not None:
-            write_atomic(os.path.join(path, RUN_STATE), json.dumps(run_state).encode())
-        write_manifest(path, actor.step)
-        write_atomic(os.path.join(root, LATEST_MARKER), (step_dir_name(actor.step) + "\n").encode())
-    _barrier()
+    with as_default_group(actor.groups.tp_dp_cp):
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            # What an older save left here (a run that fell back past this step, or an earlier
+            # run in this output directory) would be listed in the new manifest: start empty.
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        torch.distributed.barrier()
+        dist_checkpointing.save(_sharded_state_dict(actor, is_loading=False), path)
+        torch.distributed.barrier()
+        if rank == 0:
+            if run_state is not None:
+                write_atomic(os.path.join(path, RUN_STATE), json.dumps(run_state).encode())
+            write_manifest(path, actor.step)
+            write_atomic(os.path.join(root, LATEST_MARKER), (step_dir_name(actor.step) + "\n").encode())
+        torch.distributed.barrier()
     return path
 
 
@@ -322,18 +321,21 @@ def latest_checkpoint(root: str | os.PathLike) -> str:
 def load_checkpoint(actor: "MegatronActor", path: str | os.PathLike) -> int:
     """Load model, optimizer and step from one step directory into `actor`; returns the step.
 
-    Collective. The files are checked against the manifest first (shallow, see
-    `verify_checkpoint`): FileNotFoundError when `path` is not a directory, CheckpointCorrupt
+    Collective over every actor rank (as `save_checkpoint`). The files are checked against the
+    manifest first (shallow, see `verify_checkpoint`): FileNotFoundError when `path` is not a directory, CheckpointCorrupt
     when its files do not match, CheckpointError when the loader still fails.
     """
     from megatron.core import dist_checkpointing
+
+    from tide_megatron.comm.groups import as_default_group
 
     path = os.fspath(path)
     verify_checkpoint(path, deep=False)
     if not dist_checkpointing.check_is_distributed_checkpoint(path):
         raise CheckpointCorrupt(path, "not a Megatron dist_checkpointing directory (no valid metadata.json)")
     try:
-        state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), path)
+        with as_default_group(actor.groups.tp_dp_cp):
+            state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), path)
         actor.module.load_state_dict(state["model"])
         actor.optimizer.load_state_dict(state["optimizer"])
     except Exception as exc:

@@ -57,6 +57,11 @@ class TrainerConfig:
     bf16: bool = False
     """bf16 params with fp32 master weights (GPU). fp32 on CPU."""
 
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (optimizer state sharded over the DP ranks). Saves memory
+    but fixes the DP size for the run: ERS can then not change the number of actor ranks (the
+    plain optimizer keeps a full copy on every DP rank, so ranks can leave and join)."""
+
     loss_in_backward: bool = False
     """Decoupled RA2P: evaluate the GRPO loss (KL included) in the actor's backward pass, so the
     actor's forward never waits for the reference log-probs (see `loss_in_backward.py`)."""

@@ -27,6 +27,10 @@ What is moved for the actor (documented choice): params and grad buffers by defa
 state on request (`OffloadConfig.optimizer_state`). Optimizer state is only touched by
 `optimizer.step()` at the end of the step, so swapping it at every Ref/Actor alternation would
 only add traffic; a deployment that needs its memory during the Ref pass turns it on.
+
+Dropping (`OffloadConfig.keep_host_copy=False`) frees the device memory without a host copy:
+for a rank leaving the actors while other DP ranks keep the same state (ERS). `restore` then
+re-allocates the storages uninitialised, to be refilled by the caller (`state_transfer.py`).
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ class OffloadConfig:
     synchronize: bool = True
     """Wait for the copies to finish before `offload`/`restore` return (exact swap timing)."""
 
+    keep_host_copy: bool = True
+    """False: `offload` frees without copying and `restore` leaves the memory uninitialised
+    (the bytes live elsewhere: another DP replica, a checkpoint)."""
+
 
 @dataclass
 class _Slot:
@@ -69,7 +77,7 @@ class _Slot:
 
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor  # [nbytes] uint8, on CPU (pinned on CUDA)
+    host: torch.Tensor | None  # [nbytes] uint8, on CPU (pinned on CUDA); None when dropped
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -165,8 +173,10 @@ class ModelOffloader:
             self._side_stream = torch.cuda.Stream(device=device)
         return self._side_stream
 
-    def offload(self) -> float:
-        """Copy every storage to host memory and free it on the device. Returns seconds."""
+    def offload(self, keep_host_copy: bool | None = None) -> float:
+        """Copy every storage to host memory and free it on the device. Returns seconds.
+
+        `keep_host_copy` overrides the config's for this call (False: free without copying)."""
         if not self.resident:
             return 0.0
         started = time.perf_counter()
@@ -176,11 +186,13 @@ class ModelOffloader:
         stream = self._stream(device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))  # pending writes land first
+        keep = self.cfg.keep_host_copy if keep_host_copy is None else keep_host_copy
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for index, storage in enumerate(storages):
                 nbytes = storage.nbytes()
-                host = self._host_buffer(index, nbytes, storage.device)
-                host.copy_(_bytes_view(storage), non_blocking=stream is not None)
+                host = self._host_buffer(index, nbytes, storage.device) if keep else None
+                if host is not None:
+                    host.copy_(_bytes_view(storage), non_blocking=stream is not None)
                 self._slots.append(_Slot(storage, nbytes, host))
         if stream is not None:
             # Freeing must wait for the D2H copies; the caching allocator re-uses the block only
@@ -191,6 +203,13 @@ class ModelOffloader:
         self.resident = False
         self.last_offload_s = time.perf_counter() - started
         return self.last_offload_s
+
+    def drop_host_copy(self) -> None:
+        """Forget the host copy of an offloaded model: `restore` then re-allocates the storages
+        uninitialised (the caller refills them, e.g. from a checkpoint on disk)."""
+        for slot in self._slots:
+            slot.host = None
+        self._host_pool.clear()
 
     def restore(self) -> float:
         """Re-allocate every storage on the device and copy the bytes back. Returns seconds."""
@@ -205,7 +224,8 @@ class ModelOffloader:
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for slot in self._slots:
-                _bytes_view(slot.storage).copy_(slot.host, non_blocking=stream is not None)
+                if slot.host is not None:
+                    _bytes_view(slot.storage).copy_(slot.host, non_blocking=stream is not None)
         if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)  # compute waits for the H2D
             if self.cfg.synchronize:

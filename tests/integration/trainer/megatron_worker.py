@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-import traceback
 import warnings
 
 import torch
@@ -154,21 +153,12 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
 
 def _worker(rank: int, world: int, tp: int, port: int, hf_dir: str, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
+    from tide_megatron.models.megatron_gpt import spawned_rank
+
+    with spawned_rank(rank, world, port):
         results = scenario(rank, tp, hf_dir, out_dir)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        from tide_megatron.models.megatron_gpt import destroy_parallel
-
-        destroy_parallel()
-
 
 
 def main() -> None:

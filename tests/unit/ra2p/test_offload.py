@@ -74,3 +74,26 @@ def test_idempotent_and_timed():
     assert offloader.offload() > 0.0
     assert offloader.offload() == 0.0
     assert offloader.restore() > 0.0
+
+
+def test_dropping_frees_without_a_host_copy_and_restore_reallocates_for_a_refill():
+    """A leaving actor drops its state (other DP replicas hold it); a parked reference may drop
+    its host copy (reloaded from disk): either way restore gives the storages back, shapes
+    intact, for the caller to fill."""
+    for dropped_later in (False, True):
+        model, opt, _ = _model_and_optimizer()
+        params, _, _ = _snapshot(model, opt)
+        cfg = OffloadConfig(optimizer_state=True, keep_host_copy=dropped_later)
+        offloader = ModelOffloader(model, cfg, optimizer=opt)
+        moved = offloader.nbytes
+        offloader.offload()
+        if dropped_later:
+            offloader.drop_host_copy()
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        offloader.restore()
+        assert offloader.nbytes == moved
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), params):
+                assert p.shape == saved.shape
+                p.copy_(saved)  # the refill (a state transfer, a checkpoint read)
+        assert all(torch.equal(p, s) for p, s in zip(model.parameters(), params))

@@ -38,6 +38,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
+import torch
 
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult, _device
 from tide_megatron.trainer.batch import MicroBatch
@@ -85,13 +86,15 @@ class ColocatedExecutor:
     """
 
     def __init__(self, actor: MegatronActor, ref: ReferenceModel, cfg: Optional[ColocatedConfig] = None,
-                 meter: Optional[CostMeter] = None):
+                 meter: Optional[CostMeter] = None, ref_offloader: Optional[ModelOffloader] = None):
+        """`ref_offloader`: the Ref's offloader when its owner parks it too (a role change then
+        finds it parked, not resident); it must keep a host copy."""
         self.actor = actor
         self.ref = ref
         self.cfg = cfg or ColocatedConfig()
         self.meter = meter
         self.actor_offloader = ModelOffloader(actor.model, self.cfg.actor_offload, optimizer=actor.optimizer)
-        self.ref_offloader = ModelOffloader(ref.model, self.cfg.ref_offload)
+        self.ref_offloader = ref_offloader or ModelOffloader(ref.model, self.cfg.ref_offload)
         if self.cfg.offload:
             self.ref_offloader.offload()
         if actor.cfg.loss_in_backward:
@@ -136,17 +139,35 @@ class ColocatedExecutor:
         device = _device()
         need_ref = self.actor.cfg.kl_coef != 0.0
         processed: collections.deque[MicroBatch] = collections.deque()
+        pending: list[MicroBatch] = []  # taken from the source, left for the next round
         while True:
             if not processed:
                 # Everything ready now (at least one: blocks for an arrival), up to the limit.
-                batch = [mb.to(device) for mb in source.take_ready(limit)]  # one device copy
-                timer.exclude(source.last_wait_s)  # waiting for an arrival is not backward
-                if not batch:
+                if pending:
+                    candidates = pending
+                else:
+                    candidates = source.take_ready(limit)
+                    timer.exclude(source.last_wait_s)  # waiting for an arrival is not backward
+                if not candidates:
                     return
+                n = self._agree_round_size(len(candidates)) if limit > 1 else 1
+                batch = [mb.to(device) for mb in candidates[:n]]  # one device copy
+                pending = candidates[n:]
                 if need_ref:
                     timer.exclude(self._ref_round(batch, report))
                 processed.extend(batch)
             yield processed.popleft()
+
+    def _agree_round_size(self, ready: int) -> int:
+        """The TP ranks of an actor run the Ref and Actor passes together, so a round must hold
+        the same micro-batches on each: the fewest any of them has ready (they all receive the
+        same micro-batches in the same order, only at different times)."""
+        tp = self.actor.groups.tp
+        if tp.size() == 1:
+            return ready
+        count = torch.tensor([ready], dtype=torch.int64, device=_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=tp)
+        return int(count.item())
 
     def run_step(self, micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> tuple[StepResult, StepReport]:
         """One optimizer step over the step's micro-batches (this rank's DP shard)."""

@@ -11,7 +11,7 @@ Transport. The log-probs travel over a gloo process group that spans the Ref and
 (`LogprobStream`), held as an object next to the trainers' default group: the Actor ranks'
 default group is their Megatron DP world and must not contain the Ref rank (DDP all-reduces and
 Megatron's own collectives run on it), and the Ref rank has its own. This is the same pattern as
-the controller's job-wide weight group (`controller/topology.py`); the job group itself can be
+the controller's job-wide weight group (`comm/topology.py`); the job group itself can be
 passed in. Each send is a non-blocking `send` on that group with the micro-batch index as tag;
 each Actor posts every `recv` up front (gloo matches by source and tag), wraps it in a
 `ReceivedLogprobs` handle and hands that to the loss-in-backward graph.
@@ -20,6 +20,11 @@ Order. Both sides iterate the micro-batches in dispatch order, which is the core
 decoupled plan (largest first, the smallest last: the pipeline drains on the shortest backward).
 The Ref interleaves the Actors it serves micro-batch by micro-batch (mb 0 of every actor, then
 mb 1, ...) so no Actor starves while another is served far ahead.
+
+Tensor parallelism. An Actor DP rank with TP ranks needs the log-probs on each of them; a Ref
+with TP ranks computes each micro-batch on all of them (every TP rank ends with the whole
+# [B, T] result). So the Ref serves Actor DP ranks, and each Ref TP rank sends to the Actor
+ranks `trainer.assignment.TrainerAssignment.ref_destinations` gives it.
 
 Data. The controller dispatches each micro-batch's inputs (token ids, a few KB) to both its
 Actor rank and its Ref rank; only the log-probs (# [B, T] fp32) cross between them. On GPU the
@@ -103,12 +108,18 @@ class RefStreamServer:
         self.cfg = cfg
         self.meter = meter
 
-    def serve_step(self, micro_batches: Mapping[int, "Sequence[MicroBatch] | MicroBatchSource"]) -> StepReport:
-        """Serve one step: `micro_batches[actor_rank]` in that actor's dispatch order.
+    def serve_step(self, micro_batches: Mapping[int, "Sequence[MicroBatch] | MicroBatchSource"],
+                   destinations: Optional[Mapping[int, Sequence[int]]] = None) -> StepReport:
+        """Serve one step: `micro_batches[key]` are one Actor DP rank's, in its dispatch order.
 
+        `destinations[key]`: the stream-group ranks that receive that DP rank's log-probs
+        (default: the key itself, one Actor rank per key). A key with no destination here is
+        still computed: the TP ranks of a Ref compute together and each sends its own share.
         Sources may still be filling (arrivals); each is read in order, blocking when empty.
         """
-        unknown = set(micro_batches) - set(self.cfg.actor_ranks)
+        if destinations is None:
+            destinations = {key: (key,) for key in micro_batches}
+        unknown = {r for key in micro_batches for r in destinations.get(key, ())} - set(self.cfg.actor_ranks)
         if unknown:
             raise ValueError(f"not an actor rank this Ref serves: {sorted(unknown)}")
         iterators = {rank: iterate(as_source(mbs)) for rank, mbs in micro_batches.items()}
@@ -117,10 +128,10 @@ class RefStreamServer:
         in_flight: list[tuple[dist.Work, torch.Tensor]] = []
         tag = 0
         while iterators:
-            for rank in list(iterators):
-                mb = next(iterators[rank], None)
+            for key in list(iterators):
+                mb = next(iterators[key], None)
                 if mb is None:
-                    del iterators[rank]
+                    del iterators[key]
                     continue
                 t0 = now()
                 logprobs = self.ref.logprobs(mb).to("cpu", torch.float32).contiguous()  # [B, T]
@@ -129,7 +140,7 @@ class RefStreamServer:
                 report.num_micro_batches += 1
                 if self.meter is not None:
                     self.meter.observe("ref_fwd", seconds)
-                in_flight.append((self.stream.send(logprobs, rank, tag), logprobs))
+                in_flight += [(self.stream.send(logprobs, dst, tag), logprobs) for dst in destinations.get(key, ())]
             tag += 1
         for work, _ in in_flight:
             work.wait(timedelta(seconds=self.cfg.send_timeout_s))
