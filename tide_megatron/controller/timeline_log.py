@@ -70,7 +70,8 @@ class TimelineLog:
             else:
                 saved.truncate_after(resume_step)
                 saved.label = label
-                self.timeline, self._resumed = saved, True
+                if saved.steps:  # else (a restart before the first checkpoint): a new timeline
+                    self.timeline, self._resumed = saved, True
 
     def now(self) -> float:
         """Seconds on the timeline's axis (wall clock: a resumed process continues the axis)."""

@@ -124,6 +124,11 @@ def test_recorder_writes_periodically_and_a_resumed_run_appends(tmp_path):
     # run.resume=false in the same directory: a new timeline, not one mixing two runs
     fresh = TimelineLog(str(tmp_path), "sync")
     assert fresh.timeline.steps == [] and fresh.timeline.label == "sync"
+    # run.resume=auto restarting before the first checkpoint: nothing kept, a new time axis too
+    restarted = TimelineLog(str(tmp_path), "tide", resume_step=0)
+    assert restarted.timeline.steps == [] and restarted.timeline.origin_unix > first.timeline.origin_unix
+    restarted.start_run({0: "actor_ref"})
+    assert restarted.timeline.events == []
 
 
 def test_a_broken_timeline_never_fails_the_run(tmp_path, monkeypatch, caplog):
