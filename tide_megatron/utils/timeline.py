@@ -254,9 +254,10 @@ def plot_timeline(timeline: Timeline, path, title: str = "", time_label: Optiona
 
     # 2. waiting times, one point per step at its end
     steps = timeline.steps
-    ends = [s.end for s in steps]
-    ax_wait.plot(ends, [s.twt_s for s in steps], "o-", ms=3, lw=1, color="tab:red", label="TWT (trainer)")
-    ax_wait.plot(ends, [s.rwt_s for s in steps], "s-", ms=3, lw=1, color="tab:blue", label="RWT (rollout, per rank)")
+    ends = _broken_at_events([s.end for s in steps], timeline.events)
+    ax_wait.plot(ends, _values(steps, ends, "twt_s"), "o-", ms=3, lw=1, color="tab:red", label="TWT (trainer)")
+    ax_wait.plot(ends, _values(steps, ends, "rwt_s"), "s-", ms=3, lw=1, color="tab:blue",
+                 label="RWT (rollout, per rank)")
     ax_wait.set_ylabel("wait per step (s)", fontsize=8)
     ax_wait.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
@@ -270,8 +271,8 @@ def plot_timeline(timeline: Timeline, path, title: str = "", time_label: Optiona
     ax_mode.set_ylim(-0.6, max(len(modes), 1) - 0.4)
     ax_mode.set_ylabel("RA2P mode", fontsize=8)
     ax_stale = ax_mode.twinx()
-    ax_stale.plot(ends, [s.staleness_mean for s in steps], "o-", ms=3, lw=1, color="k", label="staleness mean")
-    ax_stale.plot(ends, [s.staleness_max for s in steps], "v:", ms=3, lw=1, color="tab:orange",
+    ax_stale.plot(ends, _values(steps, ends, "staleness_mean"), "o-", ms=3, lw=1, color="k", label="staleness mean")
+    ax_stale.plot(ends, _values(steps, ends, "staleness_max"), "v:", ms=3, lw=1, color="tab:orange",
                   label="staleness max")
     top = max([s.staleness_max for s in steps] + [1])
     ax_stale.set_ylim(-0.1, top + 0.5)
@@ -286,3 +287,20 @@ def plot_timeline(timeline: Timeline, path, title: str = "", time_label: Optiona
     fig.suptitle(heading, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _broken_at_events(ends: list[float], events: list[TimelineEvent]) -> list[float]:
+    """Step end times with a NaN between two steps an event (a resume) separates: the per-step
+    lines stop at the downtime instead of drawing across it."""
+    out: list[float] = []
+    for i, t in enumerate(ends):
+        if i and any(ends[i - 1] < e.t <= t for e in events):
+            out.append(float("nan"))
+        out.append(t)
+    return out
+
+
+def _values(steps: list[TimelineStep], ends: list[float], name: str) -> list[float]:
+    """`name` of every step, aligned with `_broken_at_events`'s output (NaN at the breaks)."""
+    values = iter(getattr(s, name) for s in steps)
+    return [float("nan") if t != t else next(values) for t in ends]

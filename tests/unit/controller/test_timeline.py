@@ -9,7 +9,7 @@ import pytest
 
 from tide_megatron.controller.timeline_log import TimelineLog, trainer_side_roles
 from tide_megatron.core.roles import RA2PMode
-from tide_megatron.utils.timeline import Timeline, TimelineStep, plot_timeline
+from tide_megatron.utils.timeline import Timeline, TimelineEvent, TimelineStep, _broken_at_events, plot_timeline
 
 
 def synthetic(steps: int = 6) -> Timeline:
@@ -86,6 +86,11 @@ def test_plot_writes_a_png_with_a_role_change(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     plot_timeline(Timeline(source="run"), tmp_path / "empty.png")  # a run that died before its first step
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_per_step_lines_break_at_a_resume():
+    ends = _broken_at_events([1.0, 2.0, 9.0], [TimelineEvent(8.0, "resumed from step 2")])
+    assert ends[:2] == [1.0, 2.0] and ends[2] != ends[2] and ends[3] == 9.0
 
 
 def test_trainer_side_roles_follow_the_ra2p_mode():
