@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tide_megatron.sim import run_simulation
 from tide_megatron.sim.loader import load_config
-from tide_megatron.sim.report import plot_goodput_bars, plot_timeline
+from tide_megatron.sim.report import plot_goodput_bars, plot_runs_comparison
 from tide_megatron.sim.simulator import Simulator
 
 SHARES = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
@@ -154,8 +154,8 @@ def main() -> None:
         rows = [(k, runs[k]["goodput"]) for k in ["sync", *best.values(), *(a[0] for a in ABLATION)]]
         plot_goodput_bars(rows + [("ideal", runs["tide"]["ideal_attainable_goodput"])],
                           out / f"sim_paper_{args.workload}_goodput.png", f"{setup}: goodput, each baseline at its best")
-        plot_timeline({k: metrics[k] for k in (best["async_static"], best["elastic"], "tide")},
-                      out / f"sim_paper_{args.workload}_timeline.png", 32, f"{setup}: rollout ranks and step time")
+        plot_runs_comparison({k: metrics[k] for k in (best["async_static"], best["elastic"], "tide")},
+                             out / f"sim_paper_{args.workload}_timeline.png", f"{setup}: rollout ranks and step time")
     print(f"\n{'mode':<26}{'goodput':>9}{'x sync':>8}{'/hw':>7}{'/attain':>9}{'waste':>7}")
     for k, v in runs.items():
         print(f"{k:<26}{v['goodput']:>9.0f}{v['goodput'] / runs['sync']['goodput']:>8.2f}"

@@ -239,6 +239,12 @@ class MetricsConfig:
     """Write TensorBoard scalars to `output_dir/tensorboard`."""
     progress: bool = True
     """Show a progress bar on rank 0's console."""
+    timeline: bool = True
+    """Write `output_dir/timeline.json` and `timeline.png`: every rank's role over time, each
+    step's TWT, RWT, RA2P mode and staleness (the simulator's schema and plot)."""
+    timeline_every: int = 10
+    """Rewrite the timeline every this many steps (and at every checkpoint and the run's end),
+    so a crashed run leaves one; 0: at checkpoints and the end only."""
 
 
 @dataclass

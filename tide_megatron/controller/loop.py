@@ -111,6 +111,7 @@ class Controller:
         finally:
             self.rollout.stop()
             self.rollout.join(timeout=10)
+            self.log.close()  # also when the run fails: a crashed run still leaves its timeline
         self.shutdown()
 
     def shutdown(self) -> None:

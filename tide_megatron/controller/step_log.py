@@ -7,6 +7,9 @@ reference's log-probs); the rollout ranks' waiting time (RWT) is their idle time
 previous step (no task running), averaged over ranks. Goodput is reported per step (consumed
 generated tokens / step wall time, checkpoint included) and for the run so far (all consumed
 tokens / wall time since the first dispatch).
+
+The same step, with every rank's role, also goes to the run's timeline (`timeline_log.py`:
+`timeline.json` and `timeline.png` next to `metrics.jsonl`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import time
 from collections import Counter
 from typing import Any, Optional
 
+from tide_megatron.controller.timeline_log import TimelineLog, trainer_side_roles
+from tide_megatron.core.roles import RA2PMode, Role
 from tide_megatron.utils.metrics import MetricsLogger
+from tide_megatron.utils.timeline import TimelineStep
 
 
 logger = logging.getLogger(__name__)
@@ -29,11 +35,17 @@ class StepLog:
         self._consumed_total = 0
         self._idle: dict[int, float] = {}
         self._generated_before = 0
+        self.timeline = TimelineLog(metrics.output_dir, rollout.mode.name, enabled=cfg.metrics.timeline,
+                                    every=cfg.metrics.timeline_every, resume_step=metrics.resume_step)
+        """Every rank's role over time and each step's waits: `timeline.set_role` records a move."""
 
     def start_run(self) -> None:
         """The first dispatch: the run's wall clock starts here (engine start-up excluded)."""
         self._run_start = time.monotonic()
         self.metrics.mark_run_start()
+        topo = self.trainer.topo
+        self.timeline.start_run({**{r: Role.ROLLOUT.value for r in topo.rollout_ranks},
+                                 **self._trainer_roles(None)})
 
     def end_run(self) -> None:
         snapshot = self.rollout.call(self.rollout.ledger_snapshot)
@@ -41,6 +53,17 @@ class StepLog:
             (r.fate.value, r.policy_version, r.consumer_version) for r in self.rollout.buffer.records.values()))
         logger.info("group fates (fate, policy version, consumer version): %s", dict(sorted(fates.items())))
         self.metrics.write("tokens: " + ", ".join(f"{k} {v}" for k, v in snapshot.items() if v or k == "consumed"))
+
+    def close(self) -> None:
+        """The run ends, cleanly or not: the timeline's last write (it never raises)."""
+        self.timeline.write(closing=True)
+        if self.timeline.written_png:
+            self.metrics.outputs["timeline"] = (f"{self.timeline.png_path}  (every rank's role over time; TWT, RWT, "
+                                                f"RA2P mode and staleness per step; data in timeline.json)")
+
+    def _trainer_roles(self, mode) -> dict[int, str]:
+        topo = self.trainer.topo
+        return trainer_side_roles(topo.trainer_ranks, topo.ref_ranks, mode, self.trainer.trainer.ref is not None)
 
     def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
              train_s: float, sync_s: float, checkpoint_s: float, step_s: float) -> None:
@@ -104,4 +127,12 @@ class StepLog:
             record.update({"ra2p/cost_decoupled": outcome.choice.cost_decoupled,
                            "ra2p/cost_colocated": outcome.choice.cost_colocated,
                            "ra2p/break_even_ras": outcome.choice.break_even_ras})
-        self.metrics.log(step, record)
+        topo, end = self.trainer.topo, self.timeline.now()
+        decoupled = outcome.mode is RA2PMode.DECOUPLED
+        self.timeline.step(TimelineStep(
+            step=step, start=end - step_s, end=end, twt_s=record["twt_s"], rwt_s=record["rwt_s"],
+            ra2p_mode=outcome.mode.value, staleness_mean=record["staleness/mean"],
+            staleness_max=record["staleness/max"], rollout_ranks=len(topo.rollout_ranks),
+            trainer_ranks=len(topo.trainer_ranks), ref_ranks=len(topo.ref_ranks) if decoupled else 0),
+            self._trainer_roles(outcome.mode), checkpointed=checkpoint_s > 0)
+        self.metrics.log(step, record)  # last: a test's fault injection may end the process here

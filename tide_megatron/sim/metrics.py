@@ -9,9 +9,11 @@ the core `GlobalBuffer`'s token ledger. Every run also carries the two goodput b
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
+from tide_megatron.core.roles import RA2PMode
 from tide_megatron.sim.bounds import goodput_bounds
+from tide_megatron.utils.timeline import IDLE, Timeline, TimelineStep
 
 
 @dataclass
@@ -33,6 +35,13 @@ class StepRecord:
     train_s: float = 0.0
     wait_s: float = 0.0
     ra2p_mode: str = ""
+    rwt_s: float = 0.0
+    """Mean idle seconds per rollout rank in the step (the real run's `rwt_s`)."""
+    staleness_mean: float = 0.0
+    """Policy-version lag of the trajectories the step consumed."""
+    staleness_max: int = 0
+    ref_ranks: int = 0
+    """Dedicated reference ranks of the step's layout (counted in `trainer_ranks` too)."""
 
     @property
     def duration(self) -> float:
@@ -54,6 +63,9 @@ class RunMetrics:
     role_changes: int = 0
     ers_log: List[tuple] = field(default_factory=list)
     """(step, RAS tokens, arrival tokens/s, target rollout ranks, rollout ranks planned, RA2P mode, reason)."""
+    timeline: Timeline = field(default_factory=lambda: Timeline(source="sim"))
+    """The role of every rank over time (recorded as roles change) and, after `finish`, one
+    record per step: the same schema and plot as a real run's `timeline.json`."""
     # filled by finish()
     sim_time_s: float = 0.0
     goodput: float = 0.0
@@ -109,6 +121,9 @@ class RunMetrics:
         self.events = sim.loop.events_processed
         self.trajectories_finished = sim.trajectories_finished
         self.ideal_hardware_goodput, self.ideal_attainable_goodput, self.ideal_detail = goodput_bounds(sim)
+        self.timeline.label = self.mode
+        self.timeline.steps = [timeline_step(s) for s in self.steps]
+        self.timeline.close(end_time)
 
     @property
     def waiting_rank_s(self) -> float:
@@ -136,3 +151,52 @@ class RunMetrics:
         d["roles"] = [list(r) for r in self.roles]
         d["ers_log"] = [list(r) for r in self.ers_log]
         return d
+
+
+def timeline_step(s: StepRecord) -> TimelineStep:
+    """A simulated step in the timeline schema: TWT is the trainer's data wait plus the wait for
+    an evaluation to finish (as the real controller books it)."""
+    return TimelineStep(step=s.step, start=s.start, end=s.end, twt_s=s.wait_s + s.eval_wait_s, rwt_s=s.rwt_s,
+                        ra2p_mode=s.ra2p_mode, staleness_mean=s.staleness_mean, staleness_max=s.staleness_max,
+                        rollout_ranks=s.rollout_ranks, trainer_ranks=s.trainer_ranks - s.ref_ranks,
+                        ref_ranks=s.ref_ranks)
+
+
+def record_rank_roles(sim, mode: RA2PMode = RA2PMode.COLOCATED, actors: Optional[int] = None, refs: int = 0) -> None:
+    """Every rank's role now, into `sim.metrics.timeline` (a no-op for ranks that keep theirs).
+
+    With ERS the plan names every rank's role. Otherwise the simulator keeps counts: the
+    cluster's active ranks roll out, and the trainer's `sim.trainer_ranks` are the lowest ranks
+    that do not roll out, then (sync's training phase) ranks whose engines sleep through it;
+    `actors`/`refs` split them by the step's RA2P layout (decoupled: actors then dedicated
+    references, the rest idle; colocated: all actor+ref)."""
+    if not sim.cfg.record_timeline:
+        return
+    if sim.plan is not None and sim.elastic:
+        roles = {r: role.value for r, role in sim.plan.roles.items()}
+    else:
+        active = set(sim.cluster.active)
+        ranks = range(sim.n_ranks)
+        trainers = ([r for r in ranks if r not in active] + sorted(active))[:sim.trainer_ranks]
+        roles = {r: ("rollout" if r in active else IDLE) for r in ranks}
+        if mode is RA2PMode.DECOUPLED:
+            n_act = len(trainers) if actors is None else actors
+            roles.update({r: ("actor" if i < n_act else "ref" if i < n_act + refs else IDLE)
+                          for i, r in enumerate(trainers)})
+        else:
+            roles.update({r: "actor_ref" for r in trainers})
+    for rank, role in sorted(roles.items()):
+        sim.metrics.timeline.set_role(rank, role, sim.loop.now)
+
+
+def step_figures(sim) -> dict:
+    """RWT (mean idle seconds per rollout rank since the previous call) and the staleness of the
+    trajectories consumed since then; call at the step's end, before the version moves."""
+    now = sim.loop.now
+    idle = sim.cluster.idle_s_at(now)
+    idle_before, consumed_before = sim.timeline_marks
+    fresh = sim.consumed_trajs[consumed_before:]
+    sim.timeline_marks = (idle, len(sim.consumed_trajs))
+    lags = [sim.version - t.version for t in fresh]
+    return {"rwt_s": (idle - idle_before) / max(1, len(sim.cluster.active)),
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags, default=0)}

@@ -1,4 +1,6 @@
-"""Files a run leaves behind: metrics JSON and a timeline PNG (matplotlib, Agg backend)."""
+"""Files a run leaves behind: metrics JSON and the timeline (`<tag>_timeline.json`, `<tag>.png`:
+the schema and plot of a real run's `timeline.json` / `timeline.png`, `utils/timeline.py`);
+and the benchmarks' comparison plots (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tide_megatron.sim.config import SimConfig  # noqa: E402
 from tide_megatron.sim.metrics import RunMetrics  # noqa: E402
+from tide_megatron.utils.timeline import plot_timeline  # noqa: E402
 
 
 def write_outputs(metrics: RunMetrics, cfg: SimConfig) -> None:
@@ -21,12 +24,15 @@ def write_outputs(metrics: RunMetrics, cfg: SimConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = metrics.mode.replace("@", "_").replace("+", "_")
     (out / f"{tag}.json").write_text(json.dumps({"config": asdict(cfg), "metrics": metrics.to_dict()}, indent=1))
+    if cfg.record_timeline:
+        metrics.timeline.save(str(out / f"{tag}_timeline.json"))
     if cfg.plot:
-        plot_timeline({metrics.mode: metrics}, out / f"{tag}.png", cfg.n_gpus)
+        plot_timeline(metrics.timeline, out / f"{tag}.png",
+                      title=f"simulated {metrics.mode}, {cfg.n_gpus} GPUs: {len(metrics.steps)} steps")
 
 
-def plot_timeline(runs: Dict[str, RunMetrics], path, n_gpus: int, title: str = "") -> None:
-    """Rank allocation over time (top) and per-step duration (bottom) for each run."""
+def plot_runs_comparison(runs: Dict[str, RunMetrics], path, title: str = "") -> None:
+    """Several runs on one plot: rollout ranks over time (top) and per-step duration (bottom)."""
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), dpi=80)
     for name, m in runs.items():
         if m.roles:

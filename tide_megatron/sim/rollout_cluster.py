@@ -307,6 +307,18 @@ class RolloutCluster:
             total.add(self.ranks[rid].stats)
         return total
 
+    def idle_s_at(self, now: float) -> float:
+        """Rollout idle seconds (RWT) of every rank up to `now`, read without moving any decode
+        clock: advancing mid-run would only split the integration, but would change the float
+        rounding of every later event against an unobserved run."""
+        total = self.total_stats().idle_s
+        for rid in self.active:
+            rank = self.ranks[rid]
+            start = max(rank.last_t, rank.freeze_until)
+            if not rank.running and now > start:
+                total += now - start
+        return total
+
     def settle(self, now: float) -> None:
         for rid in sorted(self.active):
             self.ranks[rid].advance(now)

@@ -55,7 +55,7 @@ from tide_megatron.sim.config import MODES, SimConfig
 from tide_megatron.sim.ctb_policy import CTBPolicy
 from tide_megatron.sim.events import EventLoop, WaitUntil
 from tide_megatron.sim.hardware import HardwareModel
-from tide_megatron.sim.metrics import RunMetrics, StepRecord
+from tide_megatron.sim.metrics import RunMetrics, StepRecord, record_rank_roles, step_figures
 from tide_megatron.sim.rollout_cluster import RequestLevelPolicy, RolloutCluster
 from tide_megatron.sim.trainer_model import TrainerCosts
 from tide_megatron.sim.workload import Group, Trajectory, WorkloadModel
@@ -160,6 +160,8 @@ class Simulator:
         """How long the last evaluation phase took (ERS sizes the next eval loan with it)."""
         self.metrics = RunMetrics(mode=self._label(), n_gpus=cfg.n_gpus, n_ranks=self.n_ranks)
         self.consumed_trajs: List[Trajectory] = []
+        self.timeline_marks = (0.0, 0)
+        """(rollout idle seconds, consumed trajectories) at the last step's end (`step_figures`)."""
         self.eval_trajs_done: List[Trajectory] = []
         self.trainer_ranks = 0
         self.plan: Optional[RolePlan] = None
@@ -391,6 +393,7 @@ class Simulator:
 
     def record_roles(self, n_ref: int = 0, mode: str = "") -> None:
         self.metrics.roles.append((self.loop.now, len(self.cluster.active), self.trainer_ranks - n_ref, n_ref, mode))
+        record_rank_roles(self)
 
     def static_split(self) -> tuple:
         """(rollout ranks, trainer rank count) of the fixed-share modes."""
@@ -430,6 +433,7 @@ class Simulator:
     def finish_step(self, step: int, start: float, consumed: int, tokens: int, extra: dict):
         """Deadlines, version bump, eval anchoring, ERS plan, weight sync and cache flush."""
         readiness = self.buffer.end_step(self.loop.now)
+        figures = step_figures(self)
         self.expire(self.version + 1)
         self.version += 1
         eval_wait = 0.0
@@ -450,7 +454,7 @@ class Simulator:
         self.feed()
         rec = StepRecord(step=step, start=start, end=self.loop.now, trajectories=consumed, tokens=tokens,
                          rollout_ranks=len(self.cluster.active), trainer_ranks=self.trainer_ranks,
-                         ras=readiness.ras, tprm_s=readiness.tprm_s, eval_wait_s=eval_wait, **extra)
+                         ras=readiness.ras, tprm_s=readiness.tprm_s, eval_wait_s=eval_wait, **figures, **extra)
         self.metrics.steps.append(rec)
 
     # =============================================================================== ERS

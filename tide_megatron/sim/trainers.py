@@ -11,7 +11,7 @@ from __future__ import annotations
 from tide_megatron.core.ra2p import should_feed
 from tide_megatron.core.roles import RA2PMode
 from tide_megatron.sim.events import WaitUntil
-from tide_megatron.sim.metrics import StepRecord
+from tide_megatron.sim.metrics import StepRecord, record_rank_roles, step_figures
 from tide_megatron.sim.trainer_model import (
     DecoupledPipeline, aggregated_round, colocated_rounds, per_microbatch_alternation, sequence_lengths)
 from tide_megatron.sim.verl_elastic import VerlElasticPolicy
@@ -62,6 +62,7 @@ def run_sync(sim):
         sim.trainer_ranks = sim.n_ranks
         sim.record_roles(mode="sync-train")
         yield busy
+        figures = step_figures(sim)
         sim.trainer_ranks = 0
         sim.buffer.end_step(sim.loop.now)
         sim.version += 1
@@ -71,7 +72,7 @@ def run_sync(sim):
             step=step, start=start, end=sim.loop.now, trajectories=batch.num_trajectories,
             tokens=batch.generated_tokens, rollout_ranks=sim.n_ranks, trainer_ranks=sim.n_ranks,
             ras=0.0, tprm_s=0.0, eval_wait_s=0.0, rollout_s=rollout_end - start, train_s=busy,
-            ra2p_mode="colocated"))
+            ra2p_mode="colocated", **figures))
 
 
 def run_barrier(sim):
@@ -154,6 +155,7 @@ def run_stream(sim):
         start = sim.loop.now
         sim.begin_step(start)
         mode, dp, n_ref, round_mb = sim.layout()
+        record_rank_roles(sim, mode, dp, n_ref)
         pipeline = DecoupledPipeline(sim.costs, dp, n_ref, ra2p, ra2p.pipeline_fill_s) \
             if mode is RA2PMode.DECOUPLED else None
         consumed = tokens = 0
@@ -208,4 +210,4 @@ def run_stream(sim):
             sim.window.busy_s += compute
             sim.window.starved_s += wait
         yield from sim.finish_step(step, start, consumed, tokens, dict(
-            rollout_s=0.0, train_s=compute, wait_s=wait, ra2p_mode=mode.value))
+            rollout_s=0.0, train_s=compute, wait_s=wait, ra2p_mode=mode.value, ref_ranks=n_ref))

@@ -35,6 +35,9 @@ class MetricsLogger:
         a restarted job with no checkpoint yet); later records of the earlier run are dropped."""
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
+        self.resume_step = resume_step  # other files next to this log resume the same way (timeline)
+        self.outputs: dict[str, str] = {}
+        """Other files of the run the end-of-run summary names (label -> path, perhaps with a note)."""
         self._started = time.monotonic()
         self._steps: list[dict[str, float]] = []  # the few numbers the end-of-run summary needs
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -105,6 +108,7 @@ class MetricsLogger:
         if self._tb:
             tb_dir = os.path.join(self.output_dir, "tensorboard")
             lines.append(f"tensorboard: {tb_dir}  (open: tensorboard --logdir {tb_dir})")
+        lines.extend(f"{label}: {path}" for label, path in self.outputs.items())
         if checkpoint_dir:
             lines.append(f"checkpoints: {checkpoint_dir}")
         lines.append(f"logs: {os.path.join(self.output_dir, 'logs')}")

@@ -50,6 +50,23 @@ def test_every_mode_trains(tmp_path, mode):
         assert all(r["staleness/max"] == 0 for r in rows)
     if mode == "stream":
         assert all(r["ra2p/num_swaps"] >= 2 for r in rows)  # a Ref/Actor alternation per micro-batch
+    if mode == "tide":
+        check_timeline(tmp_path, rows)
+
+
+def check_timeline(run_dir: Path, rows: list[dict]) -> None:
+    """timeline.json holds one record per step, with the step's RA2P mode and staleness as the
+    metrics log has them, and every rank's role; timeline.png is written next to it."""
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    steps = timeline["steps"]
+    assert [s["step"] for s in steps] == [r["step"] for r in rows]
+    for s, r in zip(steps, rows):
+        assert s["ra2p_mode"] == r["ra2p/mode"] and s["ra2p_mode"] in ("colocated", "decoupled")
+        assert s["staleness_max"] == r["staleness/max"] and s["staleness_mean"] == r["staleness/mean"]
+        assert 0 <= s["start"] < s["end"] and s["rollout_ranks"] == 1
+    assert {int(k) for k in timeline["ranks"]} == {0, 1}
+    assert [span["role"] for span in timeline["ranks"]["1"]] == ["rollout"]
+    assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_readme_tide_command_finishes(tmp_path):

@@ -190,3 +190,20 @@ def test_drop_rule_is_kept_for_comparison(small_config):
     assert m.cancelled_groups == 0 and len(m.steps) == 4
     with pytest.raises(ValueError, match="staleness_rule"):
         small_config("scheduler.staleness_rule=never")
+
+
+def test_the_sim_writes_the_real_runs_timeline_schema_and_plot(small_config, tmp_path):
+    """ERS moves ranks and RA2P switches modes: the timeline shows both, per rank and per step,
+    in the files a real run writes (`timeline.json` schema, the same plot)."""
+    from tide_megatron.utils.timeline import Timeline
+
+    m = run_simulation(small_config("mode=tide", f"out_dir={tmp_path}"))
+    tl = Timeline.load(str(tmp_path / "tide_ra2p_ers_ctb_timeline.json"))
+    assert tl == m.timeline and tl.source == "sim"
+    assert [s.step for s in tl.steps] == [s.step for s in m.steps]
+    assert all(s.ra2p_mode in ("colocated", "decoupled") and s.end > s.start for s in tl.steps)
+    assert max(s.staleness_max for s in tl.steps) >= 1 and any(s.rwt_s > 0 for s in tl.steps)
+    assert set(tl.ranks) == set(range(8))
+    assert any(len({s.role for s in spans}) > 1 for spans in tl.ranks.values())  # roles changed
+    assert all(spans[-1].end == m.sim_time_s for spans in tl.ranks.values())
+    assert (tmp_path / "tide_ra2p_ers_ctb.png").read_bytes()[:4] == b"\x89PNG"
