@@ -77,7 +77,7 @@ def warm_start(job, out_dir: Path, steps: int, batch: int, lr: float) -> tuple[s
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from tide_megatron.controller.trainer_rank import to_train_trajectory
+    from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import destroy_parallel, init_parallel
     from tide_megatron.models.policy import model_config_from_checkpoint
     from tide_megatron.models.qwen3_vl_checkpoint import write_random_vl_checkpoint_from

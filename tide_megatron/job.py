@@ -149,13 +149,8 @@ class Job:
 
     # -- roles ----------------------------------------------------------------------
     def run(self) -> None:
-        if self.topo.trains:
+        if self.topo.trains or self.topo.rank in self.topo.ref_ranks:
             self._run_trainer()
-        elif self.topo.rank in self.topo.ref_ranks:
-            from tide_megatron.controller.ref_rank import RefRank
-
-            RefRank(self.model_path, self.topo.rank, self.topo.trainer_ranks[0], self.topo.job_group,
-                    self.cfg.trainer.pad_to_multiple_of).serve(self.mailbox)
         else:
             self._run_rollout()
 
@@ -175,12 +170,17 @@ class Job:
         return [t.to_json() for t in tasks]
 
     def _run_trainer(self) -> None:
-        from tide_megatron.controller.trainer_rank import TrainerRank
+        """An actor or reference rank of the start-up configuration (`trainer.worker`)."""
+        from tide_megatron.controller.modes import mode_policy
+        from tide_megatron.trainer.worker import TrainerWorker
 
-        trainer = TrainerRank(self.cfg.trainer, self.model_path, self.topo.rank, self.checkpoint_root,
-                              self.topo.job_group)
+        mode = mode_policy(self.cfg.scheduler.mode, ra2p_executor=self.cfg.ra2p.executor,
+                           ctb_enabled=self.cfg.ctb.enabled)
+        trainer = TrainerWorker.at_startup(
+            self.topo, self.cfg.trainer, self.model_path, self.checkpoint_root,
+            colocated=mode.colocated_config(self.cfg.ra2p.cost_model.aggregation_limit))
         run = self.cfg.run
-        start_step = trainer.load(self.resume_path) if self.resume_path else 0
+        start_step = trainer.load(self.resume_path) if self.resume_path and self.topo.trains else 0
         if not self.topo.is_controller:
             trainer.serve(self.mailbox)
             return

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     torch.backends.cudnn.allow_tf32 = False  # the patch embedding is a convolution: keep it fp32
     torch.backends.cuda.matmul.allow_tf32 = False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from tide_megatron.controller.trainer_rank import to_train_trajectory
+    from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.policy import banned_token_ids
     from tide_megatron.models.qwen3_vl_checkpoint import load_hf_vl_model, write_random_vl_checkpoint

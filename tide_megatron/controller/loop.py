@@ -33,10 +33,10 @@ from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
 from tide_megatron.controller.rollout_service import RolloutService, RunError
 from tide_megatron.controller.step_log import StepLog
-from tide_megatron.controller.trainer_rank import TrainerRank
 from tide_megatron.controller.training import TrainerDriver
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
 from tide_megatron.core.signals import SignalsConfig
+from tide_megatron.trainer.worker import TrainerWorker
 from tide_megatron.utils.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def stall_timeout_s(cfg: JobConfig) -> float:
 
 
 class Controller:
-    def __init__(self, cfg: JobConfig, topo: Topology, mailbox: Mailbox, trainer: TrainerRank,
+    def __init__(self, cfg: JobConfig, topo: Topology, mailbox: Mailbox, trainer: TrainerWorker,
                  metrics: MetricsLogger, tasks: list[dict[str, Any]], start_step: int = 0,
                  eval_tasks: Optional[list[dict[str, Any]]] = None):
         self.cfg, self.topo, self.mailbox, self.metrics = cfg, topo, mailbox, metrics

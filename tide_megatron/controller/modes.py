@@ -42,6 +42,18 @@ class ModePolicy:
     task_level: bool
     """Tasks are placed by CTB (task-level admission, pausing) instead of request level."""
 
+    def colocated_config(self, aggregation_limit: int):
+        """The colocated executor's knobs for this mode's executor (every actor rank builds its
+        executor from it). Sync is the VeRL-like baseline: both models resident."""
+        from tide_megatron.trainer.ra2p import ColocatedConfig
+
+        name = "resident" if self.name == "sync" else self.executor
+        return {"vs": ColocatedConfig.vanilla_streaming(offload=False),
+                "vso": ColocatedConfig.vanilla_streaming(offload=True),
+                "resident": ColocatedConfig(offload=False, name="colocated_resident"),
+                "batch": ColocatedConfig(name="colocated_batch"),
+                }.get(name, ColocatedConfig(aggregation_limit=aggregation_limit))
+
 
 def mode_policy(mode: str, *, ra2p_executor: str = "auto", ctb_enabled: bool = True) -> ModePolicy:
     """The policy of `scheduler.mode`; in `tide` mode `ra2p.executor` and `ctb.enabled` apply."""

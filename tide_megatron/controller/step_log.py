@@ -63,7 +63,7 @@ class StepLog:
 
     def _trainer_roles(self, mode) -> dict[int, str]:
         topo = self.trainer.topo
-        return trainer_side_roles(topo.trainer_ranks, topo.ref_ranks, mode, self.trainer.trainer.ref is not None)
+        return trainer_side_roles(topo.trainer_ranks, topo.ref_ranks, mode, self.trainer.worker.needs_ref)
 
     def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
              train_s: float, sync_s: float, checkpoint_s: float, step_s: float) -> None:
@@ -84,6 +84,7 @@ class StepLog:
             "version": version,
             "mode": self.rollout.mode.name,
             "ra2p/mode": outcome.mode.value,
+            "trainer/dp_size": outcome.dp_size,
             "ras": ras,
             "tprm_s": readiness.tprm_s,
             "hol_latency_s": hol,

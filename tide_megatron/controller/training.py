@@ -1,15 +1,17 @@
-"""How rank 0 runs one training step: the executor the mode asks for, fed whole or streamed.
+"""How rank 0 runs one training step over every actor DP rank and reference rank.
 
 The mode (`modes.py`) says which executor runs and whether the step's micro-batches are all
 ready at its start or arrive while it runs; RA2P's `ModeSelector` picks colocated or decoupled
 each step in `tide` mode with `ra2p.executor=auto`, from RAS and TPRM and the costs the
-executors measured. Micro-batches are formed by the core planner (`core/ra2p.py`): the ready
-backlog is planned as a whole (the smallest micro-batch last when decoupled); every group that
-completes during the step is one more micro-batch.
+executors measured. Micro-batches are formed by the core planner (`core/ra2p.py`) over the
+current DP size: the ready backlog is planned as a whole (the smallest micro-batch last when
+decoupled); every group that completes during the step is one more micro-batch, for the DP
+rank with the fewest tokens among those with a late slot left.
 
-With more than one trainer rank (sync mode; the other modes run one actor rank in this
-version) each rank trains its shard of the batch (`TrainerRank.train`), the others driven
-through their mailbox.
+Every mode runs the same way: a `trainer.step_feed.StepFeed` opens the step on every actor and
+reference rank of the current `TrainerAssignment` and routes each micro-batch to its DP rank
+(rank 0 trains DP rank 0's share itself, `TrainerWorker.run_step`), then the replies of the
+other ranks are collected with a timeout.
 """
 
 from __future__ import annotations
@@ -23,26 +25,18 @@ from typing import Any, Callable, Optional
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology
 from tide_megatron.controller.modes import ModePolicy
-from tide_megatron.controller.trainer_rank import TrainerRank, micro_batch_of
 from tide_megatron.core.buffer import CompletedGroup, Trajectory
 from tide_megatron.core.ra2p import MicroBatchTimes, ModeChoice, RA2PMode, plan_microbatches
-from tide_megatron.trainer.ra2p import (
-    ArrivingSource,
-    ColocatedConfig,
-    ColocatedExecutor,
-    CostMeter,
-    DecoupledActorExecutor,
-    DecoupledConfig,
-    LogprobStream,
-    ModeSelector,
-    ModeSelectorConfig,
-    ReadySource,
-    StepReport,
-)
+from tide_megatron.trainer.ra2p import ArrivingSource, ModeSelector, ModeSelectorConfig, StepReport
+from tide_megatron.trainer.step_feed import StepFeed
+from tide_megatron.trainer.worker import TrainerWorker
 
 logger = logging.getLogger(__name__)
 
 COLD_START_TPRM_S = 60.0  # no arrival history yet: assume sparse arrivals (the paper's cold start)
+REPLY_TIMEOUT_S = 3600.0
+"""How long rank 0 waits for the other trainer ranks once its own share is done; their health
+is checked meanwhile (a dead rank ends the torchrun job sooner)."""
 
 
 class TrainingError(RuntimeError):
@@ -61,6 +55,7 @@ class StepOutcome:
     consumed: list[CompletedGroup] = field(default_factory=list)
     arrival_wait_s: float = 0.0
     """Seconds the executor blocked for groups still arriving (trainer waiting, not compute)."""
+    dp_size: int = 1
 
 
 def _trajectory_json(t: Trajectory) -> dict[str, Any]:
@@ -70,135 +65,106 @@ def _trajectory_json(t: Trajectory) -> dict[str, Any]:
     return data
 
 
-def _executor_config(name: str, aggregation_limit: int) -> ColocatedConfig:
-    """The colocated executor's knobs for a mode's executor name (see `modes.py`)."""
-    return {"vs": ColocatedConfig.vanilla_streaming(offload=False),
-            "vso": ColocatedConfig.vanilla_streaming(offload=True),
-            "resident": ColocatedConfig(offload=False, name="colocated_resident"),
-            "batch": ColocatedConfig(name="colocated_batch"),
-            }.get(name, ColocatedConfig(aggregation_limit=aggregation_limit))
+class _OpenStep:
+    """One step's feed and where its late groups go (DP rank -> late slots left, tokens)."""
+
+    def __init__(self, feed: StepFeed, late: dict[int, int], tokens: dict[int, int]):
+        self.feed, self.late, self.tokens = feed, late, tokens
+
+    def put_late(self, payload: list[dict[str, Any]]) -> None:
+        dp = min((d for d, n in self.late.items() if n > 0), key=lambda d: (self.tokens[d], d))
+        self.late[dp] -= 1
+        self.tokens[dp] += sum(len(t["token_ids"]) for t in payload)
+        self.feed.put(dp, payload)
 
 
 class TrainerDriver:
-    """Rank 0's side of every trainer rank: executors, RA2P's choice, the reference rank."""
+    """Rank 0's side of every trainer rank: RA2P's choice, the step feed, the replies."""
 
-    def __init__(self, cfg, topo: Topology, mailbox: Mailbox, trainer: TrainerRank, mode: ModePolicy,
+    def __init__(self, cfg, topo: Topology, mailbox: Mailbox, worker: TrainerWorker, mode: ModePolicy,
                  inbox: "queue.Queue[Any]", health: Callable[[], None]):
-        self.cfg, self.topo, self.mailbox, self.trainer, self.mode = cfg, topo, mailbox, trainer, mode
+        self.cfg, self.topo, self.mailbox, self.worker, self.mode = cfg, topo, mailbox, worker, mode
         self._inbox = inbox
         self._stash: list[Any] = []
         self._health = health
         self.pad = cfg.trainer.pad_to_multiple_of
-        self.meter = CostMeter()
+        self.meter = worker.meter  # rank 0's measured costs; reference ranks add theirs per step
         prior = MicroBatchTimes(cfg.ra2p.prior_ref_fwd_s, cfg.ra2p.prior_actor_fwd_s, cfg.ra2p.prior_actor_bwd_s)
         self.selector = ModeSelector(ModeSelectorConfig(ra2p=cfg.ra2p.cost_model, prior_times=prior), self.meter)
-        # Sync is the VeRL-like baseline: both models resident, the Ref over the batch then the Actor.
-        name = "resident" if mode.name == "sync" else mode.executor
-        self.colocated = None  # trainer.kl_coef == 0: no reference model, the actor alone trains
-        if trainer.ref is not None:
-            self.colocated = ColocatedExecutor(trainer.actor, trainer.ref,
-                                               _executor_config(name, cfg.ra2p.cost_model.aggregation_limit), self.meter)
-        self.ref_rank = topo.ref_ranks[0] if topo.ref_ranks else None
-        self.decoupled = None
-        if self.ref_rank is not None:
-            self.decoupled = DecoupledActorExecutor(
-                trainer.actor, LogprobStream(topo.job_group),
-                DecoupledConfig(ref_rank=self.ref_rank, actor_ranks=(topo.rank,)), self.meter)
+
+    @property
+    def assignment(self):
+        """The trainer configuration the next step runs on (rank 0's worker owns it)."""
+        return self.worker.assignment
 
     # -- the mode of this step ------------------------------------------------------------
     def choose(self, ras: float, tprm_s: Optional[float], n_mb: int) -> tuple[RA2PMode, Optional[ModeChoice]]:
         forced = self.mode.executor
-        if forced != "auto":  # every executor but `decoupled` runs Ref and Actor on this rank
+        if forced != "auto":  # every executor but `decoupled` runs Ref and Actor on the actor ranks
             return (RA2PMode.DECOUPLED if forced == "decoupled" else RA2PMode.COLOCATED), None
         choice = self.selector.choose(ras, tprm_s if tprm_s is not None else COLD_START_TPRM_S, n_mb,
-                                      dp_size=1, ref_rank_available=self.ref_rank is not None)
+                                      dp_size=self.assignment.dp_size,
+                                      ref_rank_available="decoupled" in self.assignment.modes)
         return choice.mode, choice
 
-    # -- whole batches ----------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------
     def train_batch(self, groups: list[CompletedGroup], ras: float, tprm_s: Optional[float]) -> StepOutcome:
-        trajs = [t for g in groups for t in g.trajectories]
-        if len(self.topo.trainer_ranks) > 1:
-            return self._train_sharded(groups, trajs)
+        """Train on a whole ready batch."""
         mode, choice = self.choose(ras, tprm_s, len(groups))
-        mbs, _ = self._planned(trajs, mode)
-        source = ReadySource(mbs)
-        result, report = self._run(mode, source)
-        return StepOutcome(result, report, mode, choice, list(groups))
+        step = self._open(mode, [t for g in groups for t in g.trajectories], late=0)
+        result, report, waited = self._run(mode, step)
+        return StepOutcome(result, report, mode, choice, list(groups), arrival_wait_s=waited,
+                           dp_size=self.assignment.dp_size)
 
-    def _train_sharded(self, groups: list[CompletedGroup], trajs: list[Trajectory]) -> StepOutcome:
-        """Several trainer ranks: longest first onto the lightest DP shard; TP peers share one."""
-        tp = self.cfg.trainer.tp_size
-        trainers = self.topo.trainer_ranks
-        dp = len(trainers) // tp
-        shards: list[list[dict[str, Any]]] = [[] for _ in range(dp)]
-        totals = [0] * dp
-        for t in sorted(trajs, key=lambda t: t.total_tokens, reverse=True):
-            i = min(range(dp), key=lambda k: totals[k])
-            shards[i].append(_trajectory_json(t))
-            totals[i] += t.total_tokens
-        for rank in trainers[1:]:
-            self.mailbox.post(rank, "train", trajectories=shards[rank // tp])
-        started = time.perf_counter()
-        result, phases = self.trainer.train(shards[0])
-        self.take("trained", len(trainers) - 1, timeout_s=3600)
-        report = StepReport(mode="sharded", num_micro_batches=int(phases["micro_batches"]),
-                            wall_s=time.perf_counter() - started, ref_fwd_s=phases["time/ref_s"],
-                            actor_fwd_s=phases["time/actor_s"])
-        return StepOutcome(result, report, RA2PMode.COLOCATED, None, list(groups))
-
-    # -- streamed steps ---------------------------------------------------------------------
     def train_stream(self, ready: list[CompletedGroup], groups_in_step: int, ras: float, tprm_s: Optional[float],
                      stream_into: Callable[[ArrivingSource, int, Callable[[CompletedGroup], None]], None],
                      arrival_timeout_s: float) -> StepOutcome:
         """Train on the ready groups and on each group that completes until `groups_in_step`."""
-        trajs = [t for g in ready for t in g.trajectories]
         late = groups_in_step - len(ready)
-        mode, choice = self.choose(ras, tprm_s, len(ready) + late)
-        mbs, planned = self._planned(trajs, mode)
-        source = ArrivingSource(len(mbs) + late, timeout_s=arrival_timeout_s, health=self._health)
-        for mb in mbs:
-            source.put(mb)
+        mode, choice = self.choose(ras, tprm_s, groups_in_step)
+        step = self._open(mode, [t for g in ready for t in g.trajectories], late, arrival_timeout_s)
         consumed = list(ready)
-        decoupled = mode is RA2PMode.DECOUPLED
-        if decoupled:
-            self.mailbox.post(self.ref_rank, "ref_step", num_micro_batches=len(source))
-            for mb_trajs in planned:
-                self.mailbox.post(self.ref_rank, "ref_mb", trajectories=mb_trajs)
 
         def on_group(group: CompletedGroup) -> None:  # the rollout thread, as each group completes
-            payload = [_trajectory_json(t) for t in group.trajectories]
             consumed.append(group)
-            source.put(micro_batch_of(payload, self.pad, self.trainer.images))
-            if decoupled:
-                self.mailbox.post(self.ref_rank, "ref_mb", trajectories=payload)
+            step.put_late([_trajectory_json(t) for t in group.trajectories])
 
         if late > 0:
-            stream_into(source, late, on_group)
-        result, report = self._run(mode, source)
-        return StepOutcome(result, report, mode, choice, consumed, arrival_wait_s=source.waited_s)
+            stream_into(step.feed.local_source, late, on_group)
+        result, report, waited = self._run(mode, step)
+        return StepOutcome(result, report, mode, choice, consumed, arrival_wait_s=waited,
+                           dp_size=self.assignment.dp_size)
 
-    def _planned(self, trajs: list[Trajectory], mode: RA2PMode) -> tuple[list, list[list[dict[str, Any]]]]:
-        """The core planner's micro-batches of a ready backlog: this rank's tensors, and the
-        trajectories of each (what a reference rank is sent)."""
+    def _open(self, mode: RA2PMode, trajs: list[Trajectory], late: int,
+              arrival_timeout_s: float = REPLY_TIMEOUT_S) -> _OpenStep:
+        """Plan the ready backlog over the DP ranks, open the step on every trainer-side rank
+        and route the backlog; `late` more micro-batches (one per group) are to come."""
+        dp_size = self.assignment.dp_size
         payload = {t.trajectory_id: _trajectory_json(t) for t in trajs}
         lengths = {tid: len(p["token_ids"]) for tid, p in payload.items()}
-        plan = plan_microbatches(lengths, 1, mode, self.cfg.ra2p.cost_model)
-        planned = [[payload[k] for k in mb.shards[0]] for mb in plan.micro_batches if mb.shards[0]]
-        return [micro_batch_of(p, self.pad, self.trainer.images) for p in planned], planned
+        plan = plan_microbatches(lengths, dp_size, mode, self.cfg.ra2p.cost_model)
+        per_dp = [[[payload[k] for k in mb.shards[d]] for mb in plan.micro_batches if mb.shards[d]]
+                  for d in range(dp_size)]
+        late_slots = {d: late // dp_size + (d < late % dp_size) for d in range(dp_size)}
+        feed = StepFeed(self.mailbox, self.assignment, mode.value,
+                        {d: len(per_dp[d]) + late_slots[d] for d in range(dp_size)}, local=self.worker,
+                        pad_to_multiple_of=self.pad,
+                        source_options=dict(timeout_s=arrival_timeout_s, health=self._health))
+        for d, micro_batches in enumerate(per_dp):
+            for mb in micro_batches:
+                feed.put(d, mb)
+        tokens = {d: sum(len(t["token_ids"]) for mb in per_dp[d] for t in mb) for d in range(dp_size)}
+        return _OpenStep(feed, late_slots, tokens)
 
-    def _run(self, mode: RA2PMode, source):
-        if mode is RA2PMode.DECOUPLED:
-            result, report = self.decoupled.run_step(source)
-            done = self.take("ref_done", 1, timeout_s=600)[0]
-            self.meter.merge({k: v for k, v in done["costs"].items() if k == "ref_fwd"})
-            return result, report
-        if self.colocated is None:
-            mbs = source.take_ready(len(source))
-            started = time.perf_counter()
-            result = self.trainer.actor.train_step(mbs)
-            return result, StepReport(mode="actor_only", num_micro_batches=len(mbs),
-                                      wall_s=time.perf_counter() - started)
-        return self.colocated.run_step(source)
+    def _run(self, mode: RA2PMode, step: _OpenStep):
+        """Rank 0's share, then the other ranks' replies. Returns (result, report, arrival wait)."""
+        result, report = self.worker.run_step(mode.value, step.feed.local_source)
+        for kind, ranks in step.feed.replies_expected().items():
+            replies = self.take(kind, len(ranks), timeout_s=REPLY_TIMEOUT_S)
+            if kind == "ref_done":
+                for done in replies:
+                    self.meter.merge({k: v for k, v in done["costs"].items() if k == "ref_fwd"})
+        return result, report, step.feed.local_source.waited_s
 
     # -- replies of the other trainer-side ranks --------------------------------------------
     def take(self, kind: str, count: int, timeout_s: float) -> list[Any]:

@@ -30,9 +30,11 @@ class StepFeed:
     """Opens one step on every actor and reference rank and routes its micro-batches."""
 
     def __init__(self, mailbox: Mailbox, assignment: TrainerAssignment, mode: str,
-                 num_micro_batches: Mapping[int, int], local=None, pad_to_multiple_of: int = 1):
+                 num_micro_batches: Mapping[int, int], local=None, pad_to_multiple_of: int = 1,
+                 source_options: Mapping[str, Any] | None = None):
         """`local`: the posting rank's own `TrainerWorker` when it is an actor (rank 0); its
-        micro-batches go into `local_source` instead of the mailbox."""
+        micro-batches go into `local_source` instead of the mailbox, an `ArrivingSource` built
+        with `source_options` (its arrival timeout and health check)."""
         if mode not in assignment.modes:
             raise ValueError(f"a {mode} step is not possible under this assignment ({sorted(assignment.modes)})")
         unknown = set(num_micro_batches) - set(range(assignment.dp_size))
@@ -49,7 +51,7 @@ class StepFeed:
             if rank == me:
                 if local is None:
                     raise ValueError(f"rank {me} is an actor: pass its TrainerWorker as `local`")
-                self.local_source = local.begin_step(n)
+                self.local_source = local.begin_step(n, **(source_options or {}))
             else:
                 mailbox.post(rank, "step", mode=mode, num_micro_batches=n)
         if self.decoupled:

@@ -227,10 +227,11 @@ class TrainerWorker:
 
     # ---- one step: actor side ------------------------------------------------------------
 
-    def begin_step(self, num_micro_batches: int) -> ArrivingSource:
-        """The source the step's micro-batches are put into as they become ready."""
+    def begin_step(self, num_micro_batches: int, **source_options) -> ArrivingSource:
+        """The source the step's micro-batches are put into as they become ready
+        (`source_options`: `ArrivingSource`'s timeout and health check)."""
         self._require_actor()
-        return ArrivingSource(num_micro_batches)
+        return ArrivingSource(num_micro_batches, **source_options)
 
     def run_step(self, mode: str, source: "MicroBatchSource | list") -> tuple[StepResult, StepReport]:
         """One optimizer step on this rank's shard, in RA2P `mode` ("colocated"/"decoupled").

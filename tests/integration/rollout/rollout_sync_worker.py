@@ -56,7 +56,7 @@ def main() -> None:
 
         # --- trainer: one GRPO step, then push the weights to the engine ---------------------
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port + 1), RANK="0", WORLD_SIZE="1")
-        from tide_megatron.controller.trainer_rank import to_train_trajectory
+        from tide_megatron.trainer.payload import to_train_trajectory
         from tide_megatron.models.megatron_gpt import init_parallel
         from tide_megatron.trainer.actor import MegatronActor
         from tide_megatron.trainer.batch import collate, pack_micro_batches

@@ -99,7 +99,7 @@ def main() -> None:
 
     # --- trainer: score, one GRPO step, push the weights ------------------------------------
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    from tide_megatron.controller.trainer_rank import to_train_trajectory
+    from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
     from tide_megatron.trainer.actor import MegatronActor

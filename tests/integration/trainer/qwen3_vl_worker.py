@@ -24,7 +24,7 @@ from tide_megatron.utils.net import free_port
 
 
 def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str) -> dict:
-    from tide_megatron.controller.trainer_rank import to_train_trajectory
+    from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.policy import model_config_from_checkpoint
     from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages

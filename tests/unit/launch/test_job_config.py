@@ -45,9 +45,23 @@ def test_recipes_compose_and_validate(compose_job, recipe, world):
     validate(job, world)
 
 
-def test_real_recipes_say_what_is_not_runnable_yet(compose_job):
-    job = compose_job("+recipe=webshop_qwen2_5_7b")
-    with pytest.raises(ValueError, match="scheduler.mode=tide runs one actor rank"):
+@pytest.mark.parametrize("recipe,dp", [("webshop_qwen2_5_7b", 6), ("osworld_qwen3vl", 8)])
+def test_real_recipes_lay_out_a_tp_by_dp_trainer_in_tide_mode(compose_job, recipe, dp):
+    from tide_megatron.comm.groups import GroupLayout
+    from tide_megatron.trainer.assignment import TrainerAssignment
+
+    job = compose_job(f"+recipe={recipe}")
+    assert job.scheduler.mode == "tide"
+    check_runnable(job, 32)
+    trainers = 32 - job.cluster.rollout_ranks - job.cluster.ref_ranks
+    start = TrainerAssignment.at_startup(GroupLayout(32, job.trainer.tp_size), range(trainers),
+                                         range(trainers, trainers + job.cluster.ref_ranks))
+    assert start.dp_size == dp and len(start.actor_ranks) == trainers
+
+
+def test_reference_ranks_must_be_whole_tp_blocks(compose_job):
+    job = compose_job("+recipe=osworld_qwen3vl", "cluster.ref_ranks=1")
+    with pytest.raises(ValueError, match="whole TP blocks"):
         check_runnable(job, 32)
 
 
