@@ -230,6 +230,20 @@ class RA2PJobConfig:
 
 
 @dataclass
+class ERSJobConfig:
+    """Elastic Resource Scaling in the real system (`controller/trainer_roles.py`)."""
+
+    enabled: bool = False
+    """After each actor update, core's ERS re-plans the trainer-side ranks (the actor and
+    reference ranks of the start-up split): colocated over all of them, or decoupled with the
+    highest ones as reference ranks; rank 0 moves them before the weight sync. The
+    rollout/trainer split itself is held in this version. False: the start-up roles all run."""
+    drill_every: int = 0
+    """A drill, not a policy: every this many steps switch to the other trainer layout whatever
+    the measurements say, to exercise role changes under load (tests, soaks). 0: off."""
+
+
+@dataclass
 class MetricsConfig:
     """Where step metrics go."""
 
@@ -261,6 +275,7 @@ class JobConfig:
     ra2p: RA2PJobConfig = field(default_factory=RA2PJobConfig)
     ctb: CTBDispatchConfig = field(default_factory=CTBDispatchConfig)
     """Continuous Task Batching in `tide` mode (`ctb.enabled=false`: request-level scheduling)."""
+    ers: ERSJobConfig = field(default_factory=ERSJobConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
@@ -289,6 +304,12 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
     if cfg.run.steps < 1:
         raise ValueError("run.steps must be >= 1")
+    if cfg.ers.drill_every < 0:
+        raise ValueError("ers.drill_every must be >= 0")
+    if (cfg.ers.enabled or cfg.ers.drill_every) and cfg.scheduler.mode != "tide":
+        raise ValueError(f"ers.enabled / ers.drill_every need scheduler.mode=tide, got {cfg.scheduler.mode}")
+    if cfg.ers.drill_every and not cfg.ers.enabled:
+        raise ValueError("ers.drill_every needs ers.enabled=true")
     if cfg.scheduler.mode == "tide":
         check_ctb_resources(cfg.ctb, max_running_requests=cfg.rollout.engine.max_running_requests,
                             max_total_tokens=cfg.rollout.engine.max_total_tokens)

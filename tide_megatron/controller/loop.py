@@ -33,8 +33,10 @@ from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
 from tide_megatron.controller.rollout_service import RolloutService, RunError
 from tide_megatron.controller.step_log import StepLog
+from tide_megatron.controller.trainer_roles import TrainerRoles
 from tide_megatron.controller.training import TrainerDriver
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
+from tide_megatron.core.ers import ERSMeasurements
 from tide_megatron.core.signals import SignalsConfig
 from tide_megatron.trainer.worker import TrainerWorker
 from tide_megatron.utils.metrics import MetricsLogger
@@ -83,6 +85,7 @@ class Controller:
         self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
                                      health=self.rollout.check)
         self.trainer_rank = trainer
+        self.roles = TrainerRoles(cfg.ers, topo, mailbox, trainer, cfg.ra2p.cost_model, self.trainer.take)
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
 
     def _placement(self):
@@ -146,6 +149,9 @@ class Controller:
         self.version += 1
         self.step += 1
         t_sync = time.perf_counter()
+        # ERS plans after the update and before the weight sync (roles change on its boundary).
+        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, t0, twt, train_s),
+                                      self.trainer.selector.cost_inputs()[0]) if self.roles.enabled else {}
         eval_wait_s = self._finish_eval()
         # The weights go out before admission resumes under the new version: a rank reads its
         # LoadWeights before any task started after it.
@@ -156,7 +162,21 @@ class Controller:
         checkpoint_s = self._maybe_checkpoint()
         self.log.step(self.step, self.version, outcome, ras=ras, hol=hol, readiness=readiness,
                       twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
-                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0)
+                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra=ers)
+
+    def _ers_measurements(self, outcome, t0: float, twt: float, train_s: float) -> ERSMeasurements:
+        """The window since the step began, as ERS reads it. Only the RA2P layout is decided
+        from it in this version (the rollout/trainer split is held, `trainer_roles.py`), so the
+        rollout side's throttling, KV and decode signals are not measured here."""
+        est = self.rollout.call(self.rollout.buffer.estimate)
+        tokens = sum(t.total_tokens for g in outcome.consumed for t in g.trajectories)
+        starved = twt + outcome.arrival_wait_s
+        return ERSMeasurements(
+            window_s=max(1e-9, time.perf_counter() - t0), trainer_ranks=len(self.roles.ranks),
+            trainer_busy_s=max(0.0, train_s - outcome.arrival_wait_s), trainer_starved_s=starved,
+            trained_tokens=tokens, rollout_ranks=len(self.topo.rollout_ranks), fresh_tokens=tokens,
+            eval_tokens=0, slots_full_s=0.0, kv_used_fraction=0.0, ras_tokens=est.ras_tokens,
+            arrival_tokens_per_s=est.arrival_tokens_per_s)
 
     def _tprm_estimate(self) -> Optional[float]:
         est = self.rollout.buffer.estimate()

@@ -61,12 +61,13 @@ class StepLog:
             self.metrics.outputs["timeline"] = (f"{self.timeline.png_path}  (every rank's role over time; TWT, RWT, "
                                                 f"RA2P mode and staleness per step; data in timeline.json)")
 
-    def _trainer_roles(self, mode) -> dict[int, str]:
-        topo = self.trainer.topo
-        return trainer_side_roles(topo.trainer_ranks, topo.ref_ranks, mode, self.trainer.worker.needs_ref)
+    def _trainer_roles(self, mode, assignment=None) -> dict[int, str]:
+        a = assignment or self.trainer.assignment
+        return trainer_side_roles(list(a.actor_ranks), list(a.ref_ranks), mode, self.trainer.worker.needs_ref)
 
     def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
-             train_s: float, sync_s: float, checkpoint_s: float, step_s: float) -> None:
+             train_s: float, sync_s: float, checkpoint_s: float, step_s: float,
+             extra: Optional[dict[str, float]] = None) -> None:
         trajs = [t for g in outcome.consumed for t in g.trajectories]
         generated = sum(t.generated_tokens for t in trajs)
         self._consumed_total += generated
@@ -134,6 +135,8 @@ class StepLog:
             step=step, start=end - step_s, end=end, twt_s=record["twt_s"], rwt_s=record["rwt_s"],
             ra2p_mode=outcome.mode.value, staleness_mean=record["staleness/mean"],
             staleness_max=record["staleness/max"], rollout_ranks=len(topo.rollout_ranks),
-            trainer_ranks=len(topo.trainer_ranks), ref_ranks=len(topo.ref_ranks) if decoupled else 0),
-            self._trainer_roles(outcome.mode), checkpointed=checkpoint_s > 0)
+            trainer_ranks=len(outcome.assignment.actor_ranks),
+            ref_ranks=len(outcome.assignment.ref_ranks) if decoupled else 0),
+            self._trainer_roles(outcome.mode, outcome.assignment), checkpointed=checkpoint_s > 0)
+        record.update(extra or {})
         self.metrics.log(step, record)  # last: a test's fault injection may end the process here

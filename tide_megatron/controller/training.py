@@ -55,7 +55,12 @@ class StepOutcome:
     consumed: list[CompletedGroup] = field(default_factory=list)
     arrival_wait_s: float = 0.0
     """Seconds the executor blocked for groups still arriving (trainer waiting, not compute)."""
-    dp_size: int = 1
+    assignment: Any = None
+    """The `TrainerAssignment` the step ran on (ERS may move to another after it)."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.assignment.dp_size if self.assignment is not None else 1
 
 
 def _trajectory_json(t: Trajectory) -> dict[str, Any]:
@@ -102,6 +107,8 @@ class TrainerDriver:
         forced = self.mode.executor
         if forced != "auto":  # every executor but `decoupled` runs Ref and Actor on the actor ranks
             return (RA2PMode.DECOUPLED if forced == "decoupled" else RA2PMode.COLOCATED), None
+        if len(self.assignment.modes) == 1:  # ERS's layout left one (its plan chose the mode)
+            return RA2PMode(next(iter(self.assignment.modes))), None
         choice = self.selector.choose(ras, tprm_s if tprm_s is not None else COLD_START_TPRM_S, n_mb,
                                       dp_size=self.assignment.dp_size,
                                       ref_rank_available="decoupled" in self.assignment.modes)
@@ -114,7 +121,7 @@ class TrainerDriver:
         step = self._open(mode, [t for g in groups for t in g.trajectories], late=0)
         result, report, waited = self._run(mode, step)
         return StepOutcome(result, report, mode, choice, list(groups), arrival_wait_s=waited,
-                           dp_size=self.assignment.dp_size)
+                           assignment=self.assignment)
 
     def train_stream(self, ready: list[CompletedGroup], groups_in_step: int, ras: float, tprm_s: Optional[float],
                      stream_into: Callable[[ArrivingSource, int, Callable[[CompletedGroup], None]], None],
@@ -133,7 +140,7 @@ class TrainerDriver:
             stream_into(step.feed.local_source, late, on_group)
         result, report, waited = self._run(mode, step)
         return StepOutcome(result, report, mode, choice, consumed, arrival_wait_s=waited,
-                           dp_size=self.assignment.dp_size)
+                           assignment=self.assignment)
 
     def _open(self, mode: RA2PMode, trajs: list[Trajectory], late: int,
               arrival_timeout_s: float = REPLY_TIMEOUT_S) -> _OpenStep:

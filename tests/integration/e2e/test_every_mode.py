@@ -95,3 +95,20 @@ def test_tide_trains_two_actor_dp_ranks_with_a_reference_rank(tmp_path, executor
     if executor == "decoupled":
         assert {r["ra2p/mode"] for r in rows} == {"decoupled"}
     assert all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_trainer_roles_change_every_step_under_load(tmp_path):
+    """ERS's drill moves the trainer side between its two layouts at every post-update boundary:
+    colocated over ranks 0-2 (DP=3) and decoupled (DP=2 actors, rank 2 the reference). Rank 2
+    joins and leaves the actor group with state handed over, while rollout runs on rank 3."""
+    rows = train(tmp_path, 4, "scheduler.mode=tide", "cluster.rollout_ranks=1", "cluster.ref_ranks=1",
+                 "ers.enabled=true", "ers.drill_every=1", "run.steps=5")
+    check(rows, 5, 4)
+    assert [r["ers/changes"] for r in rows] == [1, 2, 3, 4, 5]
+    # The roles in force during step k are those the boundary after step k-1 chose.
+    assert [r["trainer/dp_size"] for r in rows[1:]] == [2, 3, 2, 3]
+    assert {r["ra2p/mode"] for r in rows[1::2]} == {"decoupled"}
+    assert all(r["ers/role_change_s"] > 0 for r in rows)
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    # Start-up (both layouts possible, rank 2 idle in step 1's colocated step), then the drill.
+    assert [span["role"] for span in timeline["ranks"]["2"]] == ["ref", "idle", "ref", "actor_ref", "ref", "actor_ref"]

@@ -1,0 +1,109 @@
+"""Trainer-side ERS: role plans <-> trainer assignments on the job's prefix of TP blocks, and the
+drill's alternation; the role change itself is exercised end to end in
+tests/integration/e2e/test_every_mode.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tide_megatron.comm.groups import GroupLayout
+from tide_megatron.config import ERSJobConfig
+from tide_megatron.controller.trainer_roles import TrainerRoles
+from tide_megatron.core.ers import ERSMeasurements
+from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig
+from tide_megatron.core.roles import RA2PMode, Role
+from tide_megatron.trainer.assignment import TrainerAssignment
+
+
+class FakeWorker:
+    """What TrainerRoles reads and calls on rank 0's TrainerWorker."""
+
+    def __init__(self, layout: GroupLayout, assignment: TrainerAssignment):
+        self.registry = SimpleNamespace(layout=layout)
+        self.assignment = assignment
+        self.applied: list[TrainerAssignment] = []
+
+    def apply(self, new: TrainerAssignment) -> dict[str, float]:
+        self.applied.append(new)
+        self.assignment = new
+        return {"total_s": 0.5}
+
+
+class FakeMailbox:
+    owner = 0
+
+    def __init__(self):
+        self.posted: list[tuple[int, str]] = []
+
+    def post(self, dest, kind, **payload):
+        self.posted.append((dest, kind))
+
+
+def make(world: int, tp: int, trainers: int, refs: int, drill_every: int = 1):
+    layout = GroupLayout(world, tp)
+    start = TrainerAssignment.at_startup(layout, range(trainers), range(trainers, trainers + refs))
+    topo = SimpleNamespace(trainer_ranks=list(range(trainers)), ref_ranks=list(range(trainers, trainers + refs)),
+                           rollout_ranks=list(range(trainers + refs, world)), world_size=world)
+    worker, mailbox = FakeWorker(layout, start), FakeMailbox()
+    replies = [{"times": {"total_s": 1.5}}] * (trainers + refs - 1)
+    roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=drill_every), topo, mailbox, worker, RA2PConfig(),
+                         take=lambda kind, count, timeout_s: replies[:count])
+    return roles, worker, mailbox
+
+
+def window() -> ERSMeasurements:
+    return ERSMeasurements(window_s=1.0, trainer_ranks=3, trainer_busy_s=1.0, trainer_starved_s=0.0,
+                           trained_tokens=100, rollout_ranks=1, fresh_tokens=100, eval_tokens=0,
+                           slots_full_s=0.0, kv_used_fraction=0.0)
+
+
+def test_the_start_up_hybrid_reads_as_colocated_over_every_trainer_side_rank():
+    roles, _, _ = make(world=4, tp=1, trainers=2, refs=1)
+    assert roles.plan.mode is RA2PMode.COLOCATED
+    assert roles.plan.ranks_with(Role.ACTOR_REF) == [0, 1, 2] and roles.plan.rollout_ranks == [3]
+
+
+def test_the_drill_alternates_layouts_and_every_trainer_side_rank_is_told():
+    roles, worker, mailbox = make(world=4, tp=1, trainers=2, refs=1)
+    times = MicroBatchTimes(0.05, 0.05, 0.1)
+    first = roles.after_update(1, window(), times)
+    assert worker.assignment == TrainerAssignment(worker.registry.layout, 2, (2,), actors_hold_ref=False)
+    assert sorted(dest for dest, kind in mailbox.posted if kind == "roles") == [1, 2]
+    assert first["ers/changes"] == 1 and first["ers/role_change_slowest_rank_s"] == 1.5
+    roles.after_update(2, window(), times)
+    assert worker.assignment == TrainerAssignment(worker.registry.layout, 3, (), actors_hold_ref=True)
+    assert worker.assignment.dp_size == 3 and len(worker.applied) == 2
+
+
+def test_reference_ranks_are_whole_tp_blocks_at_the_top_of_the_prefix():
+    roles, worker, _ = make(world=6, tp=2, trainers=2, refs=2)
+    roles.after_update(1, window(), MicroBatchTimes(0.05, 0.05, 0.1))
+    assert worker.assignment.ref_ranks == (2, 3) and worker.assignment.actor_ranks == (0, 1)
+    roles.after_update(2, window(), MicroBatchTimes(0.05, 0.05, 0.1))
+    assert worker.assignment.actor_ranks == (0, 1, 2, 3) and worker.assignment.dp_size == 2
+
+
+def test_one_trainer_rank_has_nothing_to_move():
+    roles, worker, mailbox = make(world=2, tp=1, trainers=1, refs=0)
+    assert not roles.enabled
+
+
+def test_without_the_drill_ers_keeps_the_rollout_split():
+    roles, worker, _ = make(world=4, tp=1, trainers=2, refs=1, drill_every=0)
+    for step in range(1, 6):
+        roles.after_update(step, window(), MicroBatchTimes(0.05, 0.05, 0.1))
+        assert roles.plan.rollout_ranks == [3]
+        assert set(worker.assignment.actor_ranks) | set(worker.assignment.ref_ranks) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("bad", [-1])
+def test_bad_drill_is_refused(bad):
+    from tide_megatron.config import JobConfig, validate
+
+    cfg = JobConfig()
+    cfg.scheduler.mode = "tide"
+    cfg.ers.enabled, cfg.ers.drill_every = True, bad
+    with pytest.raises(ValueError, match="ers.drill_every"):
+        validate(cfg, 4)
