@@ -18,6 +18,7 @@ figures).
 
     python benchmarks/e2e_goodput.py                 # 2 ranks, 10 steps, 3 repetitions
     python benchmarks/e2e_goodput.py --ranks 3 --steps 6 --reps 2
+    python benchmarks/e2e_goodput.py --ranks 4 --modes tide --ers   # ERS on and off at every split
     python benchmarks/e2e_goodput.py --recipe tiny_vl_cpu   # the multimodal workload (Qwen3-VL, gui_desktop)
 """
 
@@ -53,18 +54,22 @@ def splits(mode: str, ranks: int) -> list[dict[str, int]]:
     for rollout in range(1, ranks):
         for ref in ((0, 1) if mode == "tide" else (0,)):
             actors = ranks - rollout - ref
-            if actors < 1 or (mode != "sync" and actors != 1):
-                continue  # streaming modes train on one actor rank in this version
+            if actors < 1:
+                continue
             out.append({"rollout": rollout, "ref": ref, "actors": actors})
     return out
 
 
-def configs(modes: list[str], ranks: int) -> list[dict]:
+def configs(modes: list[str], ranks: int, ers: bool) -> list[dict]:
+    """Every mode at every split; with `ers`, tide also with ERS re-planning the trainer side
+    (at splits with at least two trainer-side ranks: one rank has nothing to re-plan)."""
     out = []
     for mode in modes:
         for split in splits(mode, ranks):
             label = mode if len(splits(mode, ranks)) == 1 else f"{mode}[r{split['rollout']}f{split['ref']}]"
-            out.append({"label": label, "mode": mode, **split})
+            out.append({"label": label, "mode": mode, "ers": False, **split})
+            if ers and mode == "tide" and split["actors"] + split["ref"] >= 2:
+                out.append({"label": label.replace("tide", "tide+ers", 1), "mode": mode, "ers": True, **split})
     return out
 
 
@@ -74,7 +79,7 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
                  f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={seed}",
                  f"envs.server.envs.0.latency.seed={seed}", *LATENCY,
-                 *args.overrides]
+                 *(["ers.enabled=true"] if cfg["ers"] else []), *args.overrides]
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
     started = time.time()
@@ -89,7 +94,8 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
     cached = sum(r["prefix_cache/cached_tokens"] for r in rows)
     prompt = sum(r["prefix_cache/prompt_tokens"] for r in rows)
     return {
-        "label": cfg["label"], "mode": cfg["mode"], "split": {k: cfg[k] for k in ("actors", "ref", "rollout")},
+        "label": cfg["label"], "mode": cfg["mode"], "ers": cfg["ers"],
+        "split": {k: cfg[k] for k in ("actors", "ref", "rollout")},
         "failed": False,
         "steps": len(rows),
         "consumed_tokens": sum(r["consumed_tokens"] for r in rows),
@@ -107,6 +113,9 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
         "staleness_max": max(r["staleness/max"] for r in rows),
         "reward_by_step": [round(r["reward/mean"], 4) for r in rows],
         "ra2p_modes": [r["ra2p/mode"] for r in rows],
+        "dp_size_by_step": [r["trainer/dp_size"] for r in rows],
+        "role_changes": int(rows[-1].get("ers/changes", 0)),
+        "role_change_s": sum(r.get("ers/role_change_s", 0.0) for r in rows),
         "process_wall_s": round(wall, 1),
     }
 
@@ -124,6 +133,7 @@ def main() -> int:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="sync,async_static,stream,tide")
+    parser.add_argument("--ers", action="store_true", help="also run tide with ers.enabled=true")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     parser.add_argument("--recipe", default="tiny_cpu",
                         help="tiny_cpu (door game), or tiny_vl_cpu (the multimodal workload: Qwen3-VL, gui_desktop)")
@@ -135,7 +145,7 @@ def main() -> int:
         name = "e2e_goodput_cpu.json" if args.recipe == "tiny_cpu" else f"e2e_goodput_{args.recipe.removeprefix('tiny_')}.json"
         args.out = str(REPO / "benchmarks" / "results" / name)
 
-    cfgs = configs(args.modes.split(","), args.ranks)
+    cfgs = configs(args.modes.split(","), args.ranks, args.ers)
     runs: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="e2e_goodput_"))
     try:
@@ -190,6 +200,25 @@ def main() -> int:
             if xs:
                 ratios[f"tide_vs_best_{base}"] = {"per_rep": [round(x, 3) for x in xs], "geomean": round(geomean(xs), 3),
                                                   "goal": goal, "met": geomean(xs) >= goal}
+
+    if any(c["ers"] for c in cfgs):
+        # The issue's check: ERS's best against the best static split (tide, ERS off), per repetition.
+        gain, waits = [], []
+        for rep in range(args.reps):
+            static = [r for r in ok if r["rep"] == rep and r["mode"] == "tide" and not r["ers"]]
+            ers = [r for r in ok if r["rep"] == rep and r["ers"]]
+            if static and ers:
+                s_best = max(static, key=lambda r: r["run_goodput_tok_s"])
+                e_best = max(ers, key=lambda r: r["run_goodput_tok_s"])
+                gain.append(e_best["run_goodput_tok_s"] / s_best["run_goodput_tok_s"])
+                waits.append(e_best["rwt_plus_twt_s"] / s_best["rwt_plus_twt_s"] if s_best["rwt_plus_twt_s"] else math.nan)
+        if gain:
+            ratios["ers_vs_best_static_tide_goodput"] = {"per_rep": [round(x, 3) for x in gain],
+                                                         "geomean": round(geomean(gain), 3), "goal": 1.0,
+                                                         "met": geomean(gain) >= 1.0}
+            ratios["ers_vs_best_static_tide_rwt_twt"] = {"per_rep": [round(x, 3) for x in waits],
+                                                         "geomean": round(geomean(waits), 3), "goal": "<= 0.3",
+                                                         "met": geomean(waits) <= 0.3}
 
     print(f"\n{'config':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}{'wasted':>8}{'hit':>7}")
     for label in labels:
