@@ -174,7 +174,14 @@ class SchedulerConfig:
     heartbeat_interval_s: float = 2.0
     """How often each rollout rank reports its health and its own token counts."""
     heartbeat_timeout_s: float = 60.0
-    """A rollout rank silent this long (no heartbeat, no message) is treated as dead."""
+    """A rollout rank silent this long (no heartbeat, no message) is quarantined: no new tasks,
+    its tasks retried on other ranks, left out of weight syncs; it rejoins at a later weight
+    sync once it is heard from again (README, "Faults")."""
+    weight_sync_timeout_s: float = 300.0
+    """A rollout rank that has not loaded the weights it was sent this long after the send is
+    quarantined (a transfer and an engine load, on a rank that still sends heartbeats)."""
+    min_rollout_ranks: int = 1
+    """The run stops, naming the silent rank, when fewer rollout ranks than this are in service."""
     ready_timeout_s: float = 600.0
     """How long rank 0 waits for every rollout rank's engine to start."""
     eval_every: int = 0

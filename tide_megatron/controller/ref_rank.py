@@ -16,9 +16,8 @@ import threading
 import time
 from typing import Any
 
-from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
-from tide_megatron.comm.messages import LoadWeights, Stop
+from tide_megatron.comm.messages import Stop
 from tide_megatron.controller.trainer_rank import micro_batch_of
 from tide_megatron.models.policy import model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
@@ -47,7 +46,7 @@ class RefRank:
         """Route messages: micro-batches straight into the running step, the rest to `serve`."""
         while not stop.is_set():
             for msg in mailbox.poll():
-                if isinstance(msg, (LoadWeights, Stop)):
+                if isinstance(msg, Stop):
                     self._commands.put(msg)
                 elif msg["kind"] == "ref_step":
                     self._source = ArrivingSource(int(msg["num_micro_batches"]))
@@ -65,9 +64,6 @@ class RefRank:
         try:
             while True:
                 msg = self._commands.get()
-                if isinstance(msg, LoadWeights):  # the frozen reference takes part in the broadcast only
-                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg.manifest))
-                    continue
                 if isinstance(msg, Stop):
                     return
                 kind = msg["kind"]

@@ -16,7 +16,7 @@ import torch
 
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
-from tide_megatron.comm.messages import LoadWeights, Stop
+from tide_megatron.comm.messages import Stop
 from tide_megatron.models.policy import model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
 from tide_megatron.trainer import checkpoint as ckpt
@@ -77,16 +77,16 @@ class TrainerRank:
         t2 = time.perf_counter()
         return result, {"time/ref_s": t1 - t0, "time/actor_s": t2 - t1, "micro_batches": len(micro_batches)}
 
-    def push_weights(self, version: int, mailbox: Mailbox | None, world_size: int) -> float:
-        """Gather HF weights (collective over TP) and broadcast them from rank 0 to all ranks."""
+    def push_weights(self, version: int, send=None) -> float:
+        """Gather HF weights (collective over TP); rank 0 packs them and hands them to `send`,
+        the controller's point-to-point push to the rollout ranks it names (weight_sync.py)."""
         named = list(self.actor.hf_weights())
         if self.rank != 0:
-            return 0.0  # rank 0 alone sends; the others join the broadcast from `serve`
+            return 0.0  # rank 0 alone sends
         manifest, flat = weight_sync.pack(named, version)
-        for dest in range(1, world_size):
-            mailbox.post(dest, LoadWeights(manifest.to_json()))
-        _, seconds = weight_sync.broadcast_flat(self.job_group, flat, manifest)
-        return seconds
+        t0 = time.perf_counter()
+        send(manifest, flat)
+        return time.perf_counter() - t0
 
     def save(self, run_state: dict[str, Any] | None = None) -> str:
         """Collective over the trainer ranks; rank 0 passes the controller's run state."""
@@ -102,9 +102,6 @@ class TrainerRank:
         """Trainer ranks other than 0: run the controller's commands until told to stop."""
         while True:
             for msg in mailbox.poll():
-                if isinstance(msg, LoadWeights):  # the broadcast itself; trainers drop the buffer
-                    weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg.manifest))
-                    continue
                 if isinstance(msg, Stop):
                     return
                 kind = msg["kind"]
@@ -112,7 +109,7 @@ class TrainerRank:
                     result, _ = self.train(msg["trajectories"])
                     mailbox.post(CONTROLLER, "trained", step=result.step)
                 elif kind == "push_weights":
-                    self.push_weights(int(msg["version"]), None, 0)
+                    self.push_weights(int(msg["version"]))
                 elif kind == "save":
                     self.save()
                 elif kind == "load":
