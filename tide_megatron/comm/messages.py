@@ -275,7 +275,7 @@ class WeightsLoaded(Message):
 
     KIND: ClassVar[str] = "weights_loaded"
     version: int
-    broadcast_s: float = 0.0
+    transfer_s: float = 0.0
     load_s: float = 0.0
     busy_s: float = 0.0
     idle_s: float = 0.0

@@ -54,6 +54,18 @@ __all__ = ["Controller", "RunError"]
 STOPPED_MARGIN_S = 15.0  # after the worker's stop grace: its last heartbeat, and a loaded machine
 
 
+def not_stopped(mailbox: Mailbox, ranks, timeout_s: float) -> list[int]:
+    """The ranks that have not answered `Stop` with `Stopped` within `timeout_s`."""
+    waiting = set(ranks)
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for msg in mailbox.poll():
+            if isinstance(msg, Stopped):
+                waiting.discard(msg.src)
+        time.sleep(0.05)
+    return sorted(waiting)
+
+
 def stall_timeout_s(cfg: JobConfig) -> float:
     """`scheduler.stall_timeout_s`, or when 0, a bound that scales with the env's timeout: a
     turn may wait one env call (with its retries) and one generation before anything moves."""
@@ -134,15 +146,10 @@ class Controller:
 
     def _await_stopped(self) -> None:
         """Wait (bounded) for every rollout rank's `Stopped`; name each that stays silent."""
-        waiting = set(self.topo.rollout_ranks)
-        deadline = time.monotonic() + STOP_GRACE_S + STOPPED_MARGIN_S
-        while waiting and time.monotonic() < deadline:
-            for msg in self.mailbox.poll():  # the rollout thread has ended: this thread reads now
-                if isinstance(msg, Stopped):
-                    waiting.discard(msg.src)
-            time.sleep(0.05)
+        # the rollout thread has ended: this thread reads the mailbox now
+        waiting = not_stopped(self.mailbox, self.topo.rollout_ranks, STOP_GRACE_S + STOPPED_MARGIN_S)
         now, wall = time.monotonic(), time.time()
-        for rank in sorted(waiting):
+        for rank in waiting:
             last = self.rollout.health.last_seen(rank) if rank in self.rollout.health.ranks else self._run_started
             line = (f"rollout rank {rank} did not stop: last heard from at "
                     f"{time.strftime('%H:%M:%S', time.localtime(wall - (now - last)))} ({now - last:.0f} s ago), "

@@ -328,9 +328,9 @@ class RolloutWorker:
             await asyncio.sleep(self.heartbeat_interval_s)
             self._heartbeat()
 
-    def _report_loaded(self, version: int, broadcast_s: float, load_s: float) -> None:
+    def _report_loaded(self, version: int, transfer_s: float, load_s: float) -> None:
         busy, idle = self._busy_idle()
-        self.mailbox.post(CONTROLLER, WeightsLoaded(version, broadcast_s=broadcast_s, load_s=load_s,
+        self.mailbox.post(CONTROLLER, WeightsLoaded(version, transfer_s=transfer_s, load_s=load_s,
                                                     busy_s=busy, idle_s=idle))
 
 

@@ -1,4 +1,4 @@
-"""Control messages through a key-value store, and the packing of weights for the broadcast."""
+"""Control messages through a key-value store, and the packing of weights for their transfer."""
 
 from __future__ import annotations
 

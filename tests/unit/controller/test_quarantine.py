@@ -4,6 +4,7 @@ counted lost), the steps out and back (`Quarantine`), and CTB forgetting a dropp
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch.distributed as dist
 from hypothesis import given, settings
@@ -204,3 +205,15 @@ def test_request_placement_drops_a_rank_without_posting_to_it():
     placement.submit(_group("g2"))
     placement.dispatch(1.0)
     assert rank2.poll() == []
+
+
+def test_a_rank_that_does_not_answer_stop_is_named_in_bounded_time():
+    from tide_megatron.comm.messages import Heartbeat as Beat, Stopped
+    from tide_megatron.controller.loop import not_stopped
+
+    store = dist.HashStore()
+    Mailbox(store, 1).post(0, Beat(generated_tokens=0, running_tokens=0, running_tasks=0, env_steps=0))
+    Mailbox(store, 1).post(0, Stopped())
+    t0 = time.monotonic()
+    assert not_stopped(Mailbox(store, 0), [1, 2], timeout_s=0.5) == [2]  # rank 2 never answers
+    assert time.monotonic() - t0 < 3
