@@ -92,3 +92,24 @@ def test_pack_refuses_mixed_dtypes():
 
     with pytest.raises(ValueError, match="expected every tensor"):
         pack([("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], 0)
+
+
+def test_a_sender_stopped_between_reserving_and_writing_blocks_no_one():
+    """A slot reserved and never written (a sender frozen inside `post`) must not block the
+    owner; the frozen sender's message is read, in its order, once written."""
+    import time
+
+    store = dist.HashStore()
+    owner, other = Mailbox(store, 0), Mailbox(store, 2)
+    frozen_slot = store.add("tide/mb/0/n", 1) - 1  # rank 1 reserved a slot, then stopped
+    other.post(0, "trained", i=0)
+    t0 = time.monotonic()
+    assert [m["src"] for m in owner.poll()] == [2]  # at once, not after the store's timeout
+    assert time.monotonic() - t0 < 1
+    other.post(0, "trained", i=1)
+    assert [m["i"] for m in owner.poll()] == [1]
+    # rank 1 wakes: it writes its slot, then posts again; both come out, in its order
+    store.set(f"tide/mb/0/{frozen_slot}", '{"kind":"trained","src":1,"i":10}')
+    Mailbox(store, 1).post(0, "trained", i=11)
+    assert [(m["src"], m["i"]) for m in owner.poll()] == [(1, 10), (1, 11)]
+    assert owner.poll() == []
