@@ -290,6 +290,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
     if cfg.run.steps < 1:
         raise ValueError("run.steps must be >= 1")
+    if not 1 <= cfg.scheduler.min_rollout_ranks <= cfg.cluster.rollout_ranks:
+        raise ValueError(f"scheduler.min_rollout_ranks={cfg.scheduler.min_rollout_ranks}: expected 1 to "
+                         f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} (below it the run stops)")
     if cfg.scheduler.mode == "tide":
         check_ctb_resources(cfg.ctb, max_running_requests=cfg.rollout.engine.max_running_requests,
                             max_total_tokens=cfg.rollout.engine.max_total_tokens)

@@ -155,8 +155,7 @@ class Controller:
                     f"{time.strftime('%H:%M:%S', time.localtime(wall - (now - last)))} ({now - last:.0f} s ago), "
                     f"{STOP_GRACE_S + STOPPED_MARGIN_S:.0f} s after Stop; rank 0 fails the job so that torchrun "
                     f"stops every rank")
-            self.metrics.write(line)
-            logger.error(line)
+            self.metrics.write(line)  # the console and rank 0's log
             self.unstopped.append(line)
 
     def _one_step(self) -> None:

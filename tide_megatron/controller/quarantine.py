@@ -24,8 +24,10 @@ The run stops (with the silent rank's message) only when fewer than
 Owned by the rollout service thread, which calls everything here (nothing is locked or
 threaded); the service keeps the retries and the stop rule, this class the rest.
 A weight send (`weight_sync.Send`) is kept until its receiver confirms it: its buffer must
-outlive the transfer, and a quarantined receiver that wakes up still completes it (it reads
-its `LoadWeights` in order). At most one such send per quarantined rank stays unconfirmed.
+outlive the transfer (a dropped gloo send never arrives, and its receiver would wait for it),
+and a quarantined receiver that wakes up reads its `LoadWeights` in order and completes each.
+The cost: a rank that hangs holds on rank 0 the buffers of the syncs sent to it before its
+quarantine (those within one heartbeat timeout) until it wakes or the job ends.
 """
 
 from __future__ import annotations

@@ -137,13 +137,15 @@ class RolloutService(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._pump()
+                read_at = self._pump()
                 self._start_groups()
                 self._place()
                 self._feed_stream()
                 self._serve_calls()
                 now = time.monotonic()
-                for rank, why in self.health.silent(now):
+                # silent as of the last read of the mailbox: a slow request above must not make
+                # the heartbeats it kept us from reading look missing
+                for rank, why in self.health.silent(read_at):
                     self._quarantine_rank(rank, why, now)
                 for rank, why in self.quarantine.overdue(now):  # weights not confirmed in time
                     self._quarantine_rank(rank, why, now)
@@ -194,7 +196,8 @@ class RolloutService(threading.Thread):
         return bool(self._live) or self.placement.queued() > 0
 
     # ------------------------------------------------------------------ messages
-    def _pump(self) -> None:
+    def _pump(self) -> float:
+        """Book every message that arrived; returns when the mailbox was read."""
         now = time.monotonic()
         for msg in self.mailbox.poll():
             if self.quarantine.handles(msg, now):  # a quarantined rank's, or a weight confirmation
@@ -217,8 +220,9 @@ class RolloutService(threading.Thread):
                 self.engines[msg.src] = msg.engine
                 self.health.add_rank(msg.src, now)
                 self.health.progressed(now)
-            else:  # the trainer's and reference rank's replies, weight loads: the main thread's
+            else:  # the trainer's and reference rank's replies: the main thread's
                 self.trainer_inbox.put(msg)
+        return now
 
     def _on_trajectory(self, msg: TrajectoryDone, now: float) -> None:
         traj = msg.trajectory
