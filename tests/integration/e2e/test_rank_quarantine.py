@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[3]
 # started (measured with a second store connection from that rank), which a 4 s timeout mistook
 # for silence.
 HEARTBEAT_TIMEOUT_S = 8.0
-STEPS = 40  # steps take about a second here: enough of them after the SIGCONT for a weight sync
+# Enough steps that a weight sync (the rejoin) follows the SIGCONT with a wide margin: about 10
+# tide steps (6 sync steps) run while the rank is stopped, each well under a second here.
+STEPS = {"tide": 40, "sync": 24}
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -51,7 +53,7 @@ def wait_for(what: str, cond, proc: subprocess.Popen, timeout_s: float):
 def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode):
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "3",
            str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", f"scheduler.mode={mode}", "cluster.rollout_ranks=2",
-           "metrics.progress=false", "metrics.tensorboard=false", "run.checkpoint_interval=0", f"run.steps={STEPS}",
+           "metrics.progress=false", "metrics.tensorboard=false", "run.checkpoint_interval=0", f"run.steps={STEPS[mode]}",
            "scheduler.groups_per_step=2", "scheduler.group_size=2", "scheduler.heartbeat_interval_s=0.5",
            f"scheduler.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", "scheduler.stall_timeout_s=120",
            f"run.output_dir={tmp_path}"]
@@ -77,7 +79,7 @@ def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode):
             proc.communicate()
     assert proc.returncode == 0, err[-8000:]
     steps = rows(tmp_path)
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in steps] == list(range(1, STEPS[mode] + 1))
     assert all(r["groups"] == 2 for r in steps)  # every step trained whole groups
     assert all(r["staleness/max"] <= 1 for r in steps)  # scheduler.max_staleness
     last = steps[-1]
