@@ -261,6 +261,7 @@ class RolloutWorker:
         handle.place(self.rank)
         task = self._tasks[tid] = _Task(assignment, handle, tag)
         task.job = asyncio.get_running_loop().create_task(self._run_task(task))
+        task.job.add_done_callback(lambda _, t=task: self._if_never_ran(t))
         if self._busy_since is None:
             self._busy_since = time.monotonic()
 
@@ -283,10 +284,26 @@ class RolloutWorker:
             self.mailbox.post(CONTROLLER, TaskFailed(
                 task.assignment, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=5), task.generated))
         finally:
-            del self._tasks[tid]
-            if not self._tasks and self._busy_since is not None:
-                self._busy_s += time.monotonic() - self._busy_since
-                self._busy_since = None
+            self._forget(tid)
+
+    def _if_never_ran(self, task: _Task) -> None:
+        """A job cancelled before its first step (its `RunTask` and a cancel in one poll, e.g.
+        stale tasks ahead of `CancelAll`) never runs `_run_task`, nor its `finally`: answer for
+        it here, as `_run_task` would have (it holds no session yet)."""
+        tid = task.assignment.trajectory_id
+        if self._tasks.get(tid) is not task:
+            return  # it ran, and reported itself
+        if self.engine.died:
+            self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died"))
+        else:
+            self.mailbox.post(CONTROLLER, TaskCancelled(tid, 0))
+        self._forget(tid)
+
+    def _forget(self, tid: str) -> None:
+        del self._tasks[tid]
+        if not self._tasks and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
 
     def _busy_idle(self) -> tuple[float, float]:
         now = time.monotonic()
