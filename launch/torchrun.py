@@ -11,7 +11,7 @@ takes torchrun's own options and runs torchrun (`torch.distributed.run`) with th
   beforehand (`TCPStore(master_listen_fd=...)`). So this launcher binds 127.0.0.1 on a free
   port (or `--master-port`) itself and hands the socket to torchrun's static rendezvous.
 - `GLOO_SOCKET_IFNAME=lo` and `NCCL_SOCKET_IFNAME=lo` (unless already set): the process
-  groups (the weight broadcast, the trainers' collectives) listen on loopback too.
+  groups (the weight transfers, the trainers' collectives) listen on loopback too.
 - `TIDE_CONTROL_LOOPBACK=1` (`CONTROL_LOOPBACK_ENV`), so the job does not warn about an exposed store.
 
 With `--max-restarts N` a failed job is restarted on the same store; with `run.resume=auto` it

@@ -174,7 +174,14 @@ class SchedulerConfig:
     heartbeat_interval_s: float = 2.0
     """How often each rollout rank reports its health and its own token counts."""
     heartbeat_timeout_s: float = 60.0
-    """A rollout rank silent this long (no heartbeat, no message) is treated as dead."""
+    """A rollout rank silent this long (no heartbeat, no message) is quarantined: no new tasks,
+    its tasks retried on other ranks, left out of weight syncs; it rejoins at a later weight
+    sync once it is heard from again (README, "Faults")."""
+    weight_sync_timeout_s: float = 300.0
+    """A rollout rank that has not loaded the weights it was sent this long after the send is
+    quarantined (a transfer and an engine load, on a rank that still sends heartbeats)."""
+    min_rollout_ranks: int = 1
+    """The run stops, naming the silent rank, when fewer rollout ranks than this are in service."""
     ready_timeout_s: float = 600.0
     """How long rank 0 waits for every rollout rank's engine to start."""
     eval_every: int = 0
@@ -310,6 +317,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError(f"ers.enabled / ers.drill_every need scheduler.mode=tide, got {cfg.scheduler.mode}")
     if cfg.ers.drill_every and not cfg.ers.enabled:
         raise ValueError("ers.drill_every needs ers.enabled=true")
+    if not 1 <= cfg.scheduler.min_rollout_ranks <= cfg.cluster.rollout_ranks:
+        raise ValueError(f"scheduler.min_rollout_ranks={cfg.scheduler.min_rollout_ranks}: expected 1 to "
+                         f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} (below it the run stops)")
     if cfg.scheduler.mode == "tide":
         check_ctb_resources(cfg.ctb, max_running_requests=cfg.rollout.engine.max_running_requests,
                             max_total_tokens=cfg.rollout.engine.max_total_tokens)

@@ -206,6 +206,12 @@ class Job:
         metrics.close()  # the progress bar ends before the summary
         for line in lines:
             say(line)
+        if controller.unstopped:  # a rank that never exits would keep torchrun waiting forever:
+            # failing here makes torchrun stop every rank (README, "Faults")
+            from tide_megatron.controller.loop import RunError
+
+            raise RunError(f"the run completed, but {len(controller.unstopped)} rollout rank(s) did not stop: "
+                           + "; ".join(controller.unstopped))
 
     def _restore_run_state(self, controller) -> None:
         from tide_megatron.controller import run_state

@@ -7,6 +7,14 @@ number with the store's atomic `add` and writes the message under it; the owner 
 slots in order and deletes them. Nothing blocks a sender, which is what lets rollout
 ranks stream trajectories while the trainer trains. Weights never travel this way:
 they go over a process group (see `weight_sync.py`).
+
+Nothing blocks the owner either. A slot can be reserved and not yet written: a sender is
+between its `add` and its `set`, and one that hangs there (a stopped process) may stay so for
+good. The owner therefore never waits on a slot (a store `get` would wait for it up to the
+store's timeout, and rank 0 with it): an unwritten slot stays pending and is read once it is
+written. Messages of one sender still come out in order: a sender writes a slot before it
+reserves its next, so when a later slot is found written, every earlier slot of the same
+sender is written too, and pending slots are re-checked before it is returned.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ class Mailbox:
         self._store = store
         self._prefix = namespace
         self.owner = owner
-        self._next = 0  # next slot this owner reads
+        self._next = 0  # next slot this owner has not yet seen reserved
+        self._pending: list[int] = []  # reserved slots not read yet, in order (unwritten ones included)
         # The controller posts from its dispatch thread and its training thread.
         self._lock = threading.Lock()
 
@@ -55,12 +64,38 @@ class Mailbox:
         messages for the kinds of `messages.py`, plain dicts for the others."""
         with self._lock:
             available = self._store.add(self._count_key(self.owner), 0)
-            out = []
-            while self._next < available and len(out) < limit:
-                key = f"{self._prefix}/{self.owner}/{self._next}"
-                # A sender has reserved the slot but may not have written it yet: get() waits.
-                data = json.loads(self._store.get(key))
-                out.append(decode(data) if data.get("kind") in _KINDS else data)
-                self._store.delete_key(key)
-                self._next += 1
+            self._pending.extend(range(self._next, available))
+            self._next = available
+            if not self._pending:
+                return []
+            out: list = []
+            if self._store.check([self._key(s) for s in self._pending]):  # the usual case: all written
+                while self._pending and len(out) < limit:
+                    self._read(self._pending.pop(0), out)
+                return out
+            holes: list[int] = []
+            while self._pending and len(out) < limit:
+                slot = self._pending.pop(0)
+                if not self._store.check([self._key(slot)]):
+                    holes.append(slot)  # reserved, not written yet: never wait for it
+                    continue
+                # Written: a hole of the same sender before it is written by now; read those first.
+                for hole in [h for h in holes if self._store.check([self._key(h)])]:
+                    if len(out) < limit:
+                        holes.remove(hole)
+                        self._read(hole, out)
+                if len(out) < limit:
+                    self._read(slot, out)
+                else:
+                    holes.append(slot)
+            self._pending = sorted(holes + self._pending)
             return out
+
+    def _key(self, slot: int) -> str:
+        return f"{self._prefix}/{self.owner}/{slot}"
+
+    def _read(self, slot: int, out: list) -> None:
+        key = self._key(slot)
+        data = json.loads(self._store.get(key))
+        out.append(decode(data) if data.get("kind") in _KINDS else data)
+        self._store.delete_key(key)

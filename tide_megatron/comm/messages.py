@@ -9,6 +9,12 @@ Per destination, messages arrive in the order they were posted (the mailbox is a
 destination), so a rank sees a task's `RunTask` before any `PauseTask` / `ResumeTask` /
 `CancelTask` of that task, and the controller sees a rank's `TrajectoryDone` before the
 `Heartbeat` that counts it.
+
+Quarantine (see `controller/quarantine.py`): a rank that went silent gets `CancelAll` at once;
+it is the first thing the rank reads after whatever was already queued for it, so when it
+wakes it starts and drops any stale `RunTask` and answers `AllCancelled` after every
+`TaskCancelled` of its tasks. Only then is it sent weights again (`LoadWeights`, which names
+its sender: rank 0 posts one to each rank it sends to, and to no other).
 """
 
 from __future__ import annotations
@@ -129,15 +135,34 @@ class CancelTask(Message):
 
 @dataclass
 class LoadWeights(Message):
-    """Join the weight broadcast described by `manifest` (every rank but the sender)."""
+    """Receive the weights `manifest` describes from rank `sender` (point to point, see
+    `weight_sync.py`) and load them. Posted to exactly the ranks the weights are sent to."""
 
     KIND: ClassVar[str] = "weights"
     manifest: dict[str, Any]
+    sender: int = 0
+
+
+@dataclass
+class CancelAll(Message):
+    """You were quarantined (silent past the heartbeat timeout): stop every task you hold, as
+    `CancelTask` would, and answer `AllCancelled` once none is left. Rank 0 took the tasks
+    back already; `epoch` matches the answer to this quarantine."""
+
+    KIND: ClassVar[str] = "cancel_all"
+    epoch: int
+    reason: str = ""
+
+
+STOP_GRACE_S = 30.0
+"""At `Stop`, how long a rollout rank's cancelled tasks may take to close their sessions before
+it answers `Stopped` regardless (rank 0 waits a little longer than this, see `controller/loop.py`)."""
 
 
 @dataclass
 class Stop(Message):
-    """Finish: running tasks end, the rank reports its last heartbeat and exits."""
+    """Finish: running tasks end, the rank reports its last heartbeat, answers `Stopped` (a
+    rollout rank) and exits."""
 
     KIND: ClassVar[str] = "stop"
 
@@ -149,6 +174,8 @@ class RankReady(Message):
 
     KIND: ClassVar[str] = "ready"
     engine: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0
+    """The rank's process id (for an operator, and for fault-injection tests)."""
 
 
 @dataclass
@@ -209,6 +236,21 @@ class TaskCancelled(Message):
 
 
 @dataclass
+class AllCancelled(Message):
+    """Answer to `CancelAll`: no task runs here any more; every `TaskCancelled` came before."""
+
+    KIND: ClassVar[str] = "all_cancelled"
+    epoch: int
+
+
+@dataclass
+class Stopped(Message):
+    """Answer to `Stop`: the rank's tasks have ended and it exits now."""
+
+    KIND: ClassVar[str] = "stopped"
+
+
+@dataclass
 class Heartbeat(Message):
     """A rollout rank's health and its own token count (the ledger's independent side)."""
 
@@ -233,7 +275,7 @@ class WeightsLoaded(Message):
 
     KIND: ClassVar[str] = "weights_loaded"
     version: int
-    broadcast_s: float = 0.0
+    transfer_s: float = 0.0
     load_s: float = 0.0
     busy_s: float = 0.0
     idle_s: float = 0.0

@@ -6,7 +6,7 @@ as dedicated reference ranks, the last `rollout_ranks` as rollout. Roles change 
 so every rank joins everything a role may need, once, at start-up:
 
 - the default group: torch.distributed's world over all W ranks. It is also the job group:
-  the weight broadcast and the reference log-prob stream run on it (gloo; with CUDA the same
+  the point-to-point weight sends and the reference log-prob stream run on it (gloo; with CUDA the same
   group also has an NCCL backend). Rollout ranks are in it, so the trainer never runs a
   collective on it: Megatron gets its groups explicitly (below), and its few calls that
   insist on the default group run with the current actors' group standing in for it
@@ -45,7 +45,7 @@ class Topology:
     store: dist.Store
     """The job's key-value store (torchrun's rendezvous store), under a `tide/` prefix."""
     job_group: dist.ProcessGroup
-    """Every rank of the job (the default group): the weight broadcast, reference log-probs."""
+    """Every rank of the job (the default group): point-to-point weight sends, reference log-probs."""
     groups: GroupRegistry
     """This rank's trainer groups, made at start-up."""
     seed: int = 0

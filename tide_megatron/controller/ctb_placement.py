@@ -56,9 +56,8 @@ class CTBPlacement:
         ctb_cfg = dataclasses.replace(cfg.ctb, policy=dataclasses.replace(
             cfg.ctb.policy, task_max_turns=cfg.rollout.runner.max_turns, max_staleness=sched.max_staleness,
             trainer_batch_trajectories=sched.groups_per_step * sched.group_size))
-        self.dispatcher = CTBDispatcher(ctb_cfg, MailboxCarrier(mailbox),
-                                        {r: RankResources(engine.max_total_tokens, engine.max_running_requests)
-                                         for r in sorted(ranks)})
+        self._resources = RankResources(engine.max_total_tokens, engine.max_running_requests)
+        self.dispatcher = CTBDispatcher(ctb_cfg, MailboxCarrier(mailbox), {r: self._resources for r in sorted(ranks)})
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when CTB admits a group's first task (its admission, for staleness)."""
         self._started_groups: set[str] = set()
@@ -116,6 +115,14 @@ class CTBPlacement:
 
     def remove_rank(self, rank: int) -> list[str]:
         return self.dispatcher.remove_rank(rank)
+
+    def drop_rank(self, rank: int) -> list[str]:
+        """A quarantined rank: CTB forgets it; its tasks come back failed (see `CTBDispatcher.drop_rank`)."""
+        return self.dispatcher.drop_rank(rank)
+
+    def add_rank(self, rank: int) -> None:
+        """A rank rejoins with a fresh engine state (it dropped every task and loaded new weights)."""
+        self.dispatcher.add_rank(rank, self._resources)
 
     def queued(self) -> int:
         return self.dispatcher.policy.counts()["queued"]

@@ -9,12 +9,19 @@ One step, whatever the mode:
   2. data: wait for the whole global batch, or (streaming) for the first ready group;
   3. train: the executor runs; in streaming modes later groups join as they complete;
   4. version += 1 (the controller is the one owner of the weight version): doomed groups are
-     cancelled, the running evaluation is gathered, weights go to every rollout rank
-     (sync waits until they are loaded; the others go on), the next evaluation starts;
+     cancelled, the running evaluation is gathered, weights go point to point to every rollout
+     rank in service and to quarantined ones ready to rejoin (sync waits until each has loaded
+     them or was quarantined; the others go on), the next evaluation starts;
   5. log, and checkpoint at the interval.
 
-Every wait is bounded and watches the rollout side's health: a dead rank, a stalled run or a
-dead rollout thread ends the run with a message that says which rank and what it waited for.
+Every wait is bounded and watches the rollout side's health: a stalled run, a dead rollout
+thread or too few rollout ranks in service (a silent rank is quarantined, see
+`quarantine.py`) ends the run with a message that says which rank and what it waited for.
+
+At the end every rollout rank is sent `Stop` and answers `Stopped` once its tasks have ended
+(within the worker's `STOP_GRACE_S`). A rank that has not answered some seconds after that is
+named in one line (last heard from when) and listed in `unstopped`; the job then fails on rank
+0, so torchrun stops every rank, that one included, in bounded time (README, "Faults").
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import time
 from typing import Any, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import Stop
+from tide_megatron.comm.messages import STOP_GRACE_S, Stop, Stopped
+from tide_megatron.comm.weight_sync import WeightSender
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
 from tide_megatron.controller import run_state
@@ -44,6 +52,20 @@ from tide_megatron.utils.metrics import MetricsLogger
 logger = logging.getLogger(__name__)
 
 __all__ = ["Controller", "RunError"]
+
+STOPPED_MARGIN_S = 15.0  # after the worker's stop grace: its last heartbeat, and a loaded machine
+
+
+def not_stopped(mailbox: Mailbox, ranks, timeout_s: float) -> list[int]:
+    """The ranks that have not answered `Stop` with `Stopped` within `timeout_s`."""
+    waiting = set(ranks)
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for msg in mailbox.poll():
+            if isinstance(msg, Stopped):
+                waiting.discard(msg.src)
+        time.sleep(0.05)
+    return sorted(waiting)
 
 
 def stall_timeout_s(cfg: JobConfig) -> float:
@@ -81,12 +103,15 @@ class Controller:
             groups_per_step=sched.groups_per_step, max_staleness=sched.max_staleness,
             max_task_retries=sched.max_task_retries, max_failed_groups=sched.max_failed_groups,
             seed=cfg.run.seed, start_version=start_step, health=health,
-            eval_pass_threshold=sched.eval_pass_threshold)
+            eval_pass_threshold=sched.eval_pass_threshold, weight_sender=WeightSender(topo.job_group, mailbox),
+            weight_sync_timeout_s=sched.weight_sync_timeout_s, min_rollout_ranks=sched.min_rollout_ranks)
         self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
                                      health=self.rollout.check)
         self.trainer_rank = trainer
         self.roles = TrainerRoles(cfg.ers, topo, mailbox, trainer, cfg.ra2p.cost_model, self.trainer.take)
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
+        self.unstopped: list[str] = []
+        """Rollout ranks that did not answer `Stop` in time, one line each (see the docstring)."""
 
     def _placement(self):
         if self.mode.task_level:
@@ -116,11 +141,26 @@ class Controller:
             self.rollout.join(timeout=10)
             self.log.close()  # also when the run fails: a crashed run still leaves its timeline
         self.shutdown()
+        self._await_stopped()
 
     def shutdown(self) -> None:
         self.rollout.stop()
         for dest in range(1, self.topo.world_size):
             self.mailbox.post(dest, Stop())
+
+    def _await_stopped(self) -> None:
+        """Wait (bounded) for every rollout rank's `Stopped`; name each that stays silent."""
+        # the rollout thread has ended: this thread reads the mailbox now
+        waiting = not_stopped(self.mailbox, self.topo.rollout_ranks, STOP_GRACE_S + STOPPED_MARGIN_S)
+        now, wall = time.monotonic(), time.time()
+        for rank in waiting:
+            last = self.rollout.health.last_seen(rank) if rank in self.rollout.health.ranks else self._run_started
+            line = (f"rollout rank {rank} did not stop: last heard from at "
+                    f"{time.strftime('%H:%M:%S', time.localtime(wall - (now - last)))} ({now - last:.0f} s ago), "
+                    f"{STOP_GRACE_S + STOPPED_MARGIN_S:.0f} s after Stop; rank 0 fails the job so that torchrun "
+                    f"stops every rank")
+            self.metrics.write(line)  # the console and rank 0's log
+            self.unstopped.append(line)
 
     def _one_step(self) -> None:
         sched = self.cfg.scheduler
@@ -186,9 +226,14 @@ class Controller:
         self.rollout.call(lambda: self.rollout.stream_into(source, groups_left, on_group))
 
     def _push_weights(self, wait: bool) -> None:
-        self.trainer_rank.push_weights(self.version, self.mailbox, self.topo.world_size)
-        if wait:  # sync: the next rollout phase must run on these weights
-            self.trainer.take("weights_loaded", len(self.topo.rollout_ranks), timeout_s=self.stall_timeout_s)
+        """Weights to the rollout ranks the rollout service names (in service, or rejoining)."""
+        version = self.version
+        self.trainer_rank.push_weights(version, lambda manifest, flat: self.rollout.call(
+            lambda: self.rollout.send_weights(manifest, flat)), mailbox=self.mailbox)
+        if wait:  # sync: the next rollout phase must run on these weights (a rank that cannot load
+            # them in time is quarantined, which settles the wait too)
+            self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: self.rollout.weights_settled(version)),
+                              self.cfg.scheduler.weight_sync_timeout_s + 60.0, f"the weights of version {version}")
 
     def _last_step_done(self) -> bool:
         """`run.steps` reached, or `run.max_wall_minutes` passed since the first dispatch."""

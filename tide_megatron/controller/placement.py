@@ -6,6 +6,9 @@ prompt's prefix there), at most `max_tasks_per_rank` run on a rank at once, and 
 continuous batching and retraction decide the rest. CTB (`ctb.enabled` in `tide` mode) places
 task by task instead, with the same interface (see `ctb_placement.py`).
 
+A rank that stops answering is dropped (`drop_rank`: its tasks come back as failed) and added
+again when it rejoins (`add_rank`); see `quarantine.py`.
+
 Single-threaded: only the rollout service thread calls it.
 """
 
@@ -123,6 +126,15 @@ class RequestPlacement:
         for tid in gone:
             del self._where[tid]
         self._home = {g: r for g, r in self._home.items() if r != rank}
+        return gone
+
+    def drop_rank(self, rank: int) -> list[str]:
+        """The rank stopped answering (quarantine): nothing more goes to it, and nothing is sent
+        to it now (it would not read it; the controller clears it with one `CancelAll`).
+        Returns the ids of the tasks it held; each failed there (the caller retries it or
+        gives its group up)."""
+        gone = self.remove_rank(rank)
+        self._cancelled.difference_update(gone)  # a cancel it never answered: nothing to wait for
         return gone
 
     def add_rank(self, rank: int) -> None:

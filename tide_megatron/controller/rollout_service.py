@@ -13,6 +13,11 @@ the staleness bound allow, place queued tasks, stream newly completed groups int
 training step, check rank health and progress, and run the main thread's requests. A failure
 here is stored, logged once, and raised to the main thread at its next request or wait; an
 open step's micro-batch source is failed at once, so a trainer blocked on it stops too.
+
+A silent rank, or one that does not confirm its weights in time, is quarantined rather than
+ending the run, and rejoins at a later weight sync once it is heard from again: the steps are
+in `quarantine.py`, the bookkeeping here and there; the weights go out from this thread too
+(`send_weights`), to the ranks in service and those rejoining only.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tide_megatron.comm.messages import (
 from tide_megatron.core.ctb_deadline import ConsumptionMeter, TrainerClock
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import ModePolicy
+from tide_megatron.controller.quarantine import Quarantine
 from tide_megatron.core.buffer import CompletedGroup, GlobalBuffer
 from tide_megatron.rollout.eval_aggregator import EvalAggregator
 
@@ -56,7 +62,8 @@ class RolloutService(threading.Thread):
     def __init__(self, *, mailbox: Mailbox, buffer: GlobalBuffer, placement, mode: ModePolicy,
                  rollout_ranks: list[int], tasks: list[dict[str, Any]], group_size: int, groups_per_step: int,
                  max_staleness: int, max_task_retries: int, max_failed_groups: int, seed: int,
-                 start_version: int, health: RolloutHealth, eval_pass_threshold: float = 1.0):
+                 start_version: int, health: RolloutHealth, eval_pass_threshold: float = 1.0,
+                 weight_sender=None, weight_sync_timeout_s: float = 300.0, min_rollout_ranks: int = 1):
         super().__init__(name="rollout-service", daemon=True)
         self.mailbox, self.buffer, self.placement, self.mode, self.health = mailbox, buffer, placement, mode, health
         self.rollout_ranks = list(rollout_ranks)
@@ -69,6 +76,10 @@ class RolloutService(threading.Thread):
         self.engines: dict[int, dict[str, Any]] = {}  # rank -> its RankReady engine facts
         self.trainer_inbox: "queue.Queue[Any]" = queue.Queue()  # trainer/ref messages, for the main thread
         self.counters = defaultdict(int)  # groups started / failed / cancelled, retries, ...
+        self.quarantine = Quarantine(rollout_ranks, placement=placement, health=health, ledger=buffer.ledger,
+                                     mailbox=mailbox, weight_sender=weight_sender,
+                                     weight_sync_timeout_s=weight_sync_timeout_s)
+        self.min_rollout_ranks = min_rollout_ranks
         self._rng = random.Random(seed)
         self._stopping = threading.Event()
         self._calls: "queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future, Optional[Callable[[], bool]]]]" = \
@@ -126,12 +137,19 @@ class RolloutService(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._pump()
+                read_at = self._pump()
                 self._start_groups()
                 self._place()
                 self._feed_stream()
                 self._serve_calls()
-                problem = self.health.check(time.monotonic(), outstanding=self._outstanding())
+                now = time.monotonic()
+                # silent as of the last read of the mailbox: a slow request above must not make
+                # the heartbeats it kept us from reading look missing
+                for rank, why in self.health.silent(read_at):
+                    self._quarantine_rank(rank, why, now)
+                for rank, why in self.quarantine.overdue(now):  # weights not confirmed in time
+                    self._quarantine_rank(rank, why, now)
+                problem = self.health.check(now, outstanding=self._outstanding())
                 if problem:
                     raise RunError(problem)
                 time.sleep(POLL_INTERVAL_S)
@@ -178,9 +196,12 @@ class RolloutService(threading.Thread):
         return bool(self._live) or self.placement.queued() > 0
 
     # ------------------------------------------------------------------ messages
-    def _pump(self) -> None:
+    def _pump(self) -> float:
+        """Book every message that arrived; returns when the mailbox was read."""
         now = time.monotonic()
         for msg in self.mailbox.poll():
+            if self.quarantine.handles(msg, now):  # a quarantined rank's, or a weight confirmation
+                continue
             if isinstance(msg, TrajectoryDone):
                 self._on_trajectory(msg, now)
             elif isinstance(msg, TaskFailed):
@@ -199,8 +220,9 @@ class RolloutService(threading.Thread):
                 self.engines[msg.src] = msg.engine
                 self.health.add_rank(msg.src, now)
                 self.health.progressed(now)
-            else:  # the trainer's and reference rank's replies, weight loads: the main thread's
+            else:  # the trainer's and reference rank's replies: the main thread's
                 self.trainer_inbox.put(msg)
+        return now
 
     def _on_trajectory(self, msg: TrajectoryDone, now: float) -> None:
         traj = msg.trajectory
@@ -225,28 +247,61 @@ class RolloutService(threading.Thread):
         self.health.booked(msg.src, msg.generated_tokens, now)
         self.buffer.ledger.book_attempt(msg.generated_tokens, fate="failed")
         self.counters["task_failures"] += 1
-        if not fresh or a.group_id not in self._live:
-            return
+        if fresh and a.group_id in self._live:
+            self._retry_or_give_up(a, msg.error, msg.src, now)
+
+    def _retry_or_give_up(self, a: TaskAssignment, error: str, rank: int, now: float) -> bool:
+        """A task attempt failed on `rank`: run it again (True), or give its group up."""
+        tid = a.trajectory_id
         attempt = self._attempts.get(tid, 0)
         if attempt < self.max_task_retries:
-            logger.warning("retrying %s (attempt %d) after: %s", tid, attempt + 1, msg.error)
+            logger.warning("retrying %s (attempt %d) after: %s", tid, attempt + 1, error)
             self._attempts[tid] = attempt + 1
             self.counters["retries"] += 1
             self.placement.retry(TaskAssignment(a.task, a.group_id, a.index, a.is_eval, attempt + 1))
-            return
+            return True
         logger.warning("giving up group %s: %s failed %d times, last on rank %d: %s",
-                       a.group_id, tid, attempt + 1, msg.src, msg.error)
-        self._give_up_group(a.group_id, failed=True, reason=f"{tid} failed: {msg.error}", now=now)
+                       a.group_id, tid, attempt + 1, rank, error)
+        self._give_up_group(a.group_id, failed=True, reason=f"{tid} failed: {error}", now=now)
         self._consecutive_failed_groups += 1
         if self._consecutive_failed_groups > self.max_failed_groups:
             raise RunError(f"{self._consecutive_failed_groups} groups in a row failed past their retries "
                            f"(scheduler.max_failed_groups={self.max_failed_groups}); last error on rank "
-                           f"{msg.src} for {tid}: {msg.error}")
+                           f"{rank} for {tid}: {error}")
+        return False
 
     def _on_cancelled(self, msg: TaskCancelled, now: float) -> None:
         self.placement.released(msg.task_id, msg.src)
         self.health.booked(msg.src, msg.generated_tokens, now)
         self.buffer.ledger.book_attempt(msg.generated_tokens, fate="cancelled")
+
+    # ------------------------------------------------------------------ quarantine
+    def _quarantine_rank(self, rank: int, reason: str, now: float) -> None:
+        """Take a silent or unconfirming rank out of service (see `quarantine.py`)."""
+        task_ids, written_off = self.quarantine.take_out(rank, reason, now)
+        retried = 0
+        for tid in task_ids:  # like the tasks of a dead engine: each attempt failed there
+            gid, index = tid.rsplit("/", 1)
+            members = self._live.get(gid)
+            if members is None:  # its group ended meanwhile (a cancel the rank never answered)
+                continue
+            self.counters["task_failures"] += 1
+            retried += self._retry_or_give_up(members[int(index)], f"rank {rank} quarantined", rank, now)
+        logger.warning("quarantined rollout rank %d: %s; %d task(s) taken back (%d retried on other ranks, "
+                       "%d tokens booked as failed)", rank, reason, len(task_ids), retried, written_off)
+        left = self.quarantine.in_service(self.rollout_ranks)
+        if len(left) < self.min_rollout_ranks:
+            raise RunError(f"{reason}; {len(left)} rollout rank(s) left in service, fewer than "
+                           f"scheduler.min_rollout_ranks={self.min_rollout_ranks}")
+
+    def send_weights(self, manifest, flat) -> list[int]:
+        """Send packed weights to the ranks in service and those ready to rejoin; returns them.
+        Nothing waits here: each must confirm within `weight_sync_timeout_s` or is quarantined."""
+        return self.quarantine.send_weights(manifest, flat, time.monotonic())
+
+    def weights_settled(self, version: int) -> bool:
+        """Every receiver of `version` loaded it or was quarantined (sync mode waits for this)."""
+        return self.quarantine.settled(version)
 
     def _reconcile(self) -> None:
         """Book tokens the ranks generated that never reached the buffer as lost."""
@@ -415,6 +470,9 @@ class RolloutService(threading.Thread):
         return readiness
 
     # ------------------------------------------------------------------ views
+    def quarantine_counts(self) -> dict[str, int]:
+        return {**self.quarantine.counts, "out_of_service": len(self.quarantine.out)}
+
     def ledger_snapshot(self) -> dict[str, int]:
         """The ledger's buckets, and the tokens of tasks still running on the ranks (not booked
         until their task ends), as of the ranks' last heartbeats."""

@@ -76,7 +76,7 @@ class StepLog:
         cached = sum(t.cached_tokens for t in trajs)
         idle_now, ledger, counters, placement = self.rollout.call(
             lambda: (self.rollout.health.rank_idle_s(), self.rollout.ledger_snapshot(),
-                     dict(self.rollout.counters), dict(self.rollout.placement.stats)))
+                     {**self.rollout.counters, **self.rollout.quarantine_counts()}, dict(self.rollout.placement.stats)))
         idle = [idle_now[r] - self._idle.get(r, 0.0) for r in idle_now]
         self._idle = idle_now
         staleness = [version - 1 - t.policy_version for t in trajs]

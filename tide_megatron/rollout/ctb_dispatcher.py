@@ -123,6 +123,30 @@ class CTBDispatcher:
             self.stats["restarts"] += 1
         return stranded
 
+    def drop_rank(self, rank: int) -> list[str]:
+        """A rank that stopped answering (the controller quarantined it) leaves rollout. Unlike
+        `remove_rank`, nothing is sent to it (it would not read it; the controller clears the
+        rank itself once it is heard from again), and its tasks, resident or paused with their
+        runner there, end FAILED: the caller retries each (`requeue_failed`: a fresh prefill
+        elsewhere) or cancels its group, as for the tasks of a dead engine. Returns their ids.
+        `add_rank` brings the rank back."""
+        if not self.cfg.enabled:
+            raise ValueError("request-level dispatch (ctb.enabled=false) does not track where tasks run")
+        ids = [str(r.task.task_id) for r in self.policy.remove_rank(rank)]
+        ids += [str(t) for t in self.policy.tasks_in(TaskState.PAUSED)
+                if self.runner_rank.get(str(t)) == rank and str(t) not in ids]
+        self._quarantined.discard(rank)
+        self.rank_kv.pop(rank, None)
+        for tid in ids:
+            self.policy.on_task_failed(tid)
+            self.runner_rank.pop(tid, None)
+            self.stats["failures"] += 1
+        # Cancelled groups that waited for this rank's releases only: nothing is held there now.
+        for gid in sorted(self._forget_after_release):
+            if not self.policy.awaits_release(gid):
+                self.forget_group(gid)
+        return ids
+
     def quarantine(self, rank: int, quarantined: bool = True) -> None:
         """Stop (or restart) dispatching to a rank; its residents keep running."""
         (self._quarantined.add if quarantined else self._quarantined.discard)(rank)

@@ -12,9 +12,15 @@ Heartbeats carry the rank's own count of generated tokens, the tokens of tasks s
 and what the longest-waiting tasks wait for: the controller reconciles its ledger against the
 first (a vanished task shows up as lost tokens) and names the second when a run stalls.
 
-On `LoadWeights` the rank joins the broadcast (in a thread, so running tasks keep going) and
-loads the new weights into its engine, which drains turns, drops stale sessions and flushes
-the cache first (see `engine.py`).
+On `LoadWeights` the rank receives the weights from the sender the message names (point to
+point, in a thread, so running tasks keep going; see `weight_sync.py`) and loads them into its
+engine, which drains turns, drops stale sessions and flushes the cache first (see `engine.py`).
+Heartbeats go on meanwhile: a long transfer or load is not silence.
+
+On `CancelAll` (rank 0 quarantined this rank after it fell silent, and took its tasks back)
+every task stops as on `CancelTask`; once none is left the rank answers `AllCancelled`, and
+rank 0 sends it weights again at its next sync. On `Stop` it answers `Stopped` after its last
+heartbeat, so rank 0 knows it ended (see `controller/loop.py`).
 
 If the engine dies (its scheduler subprocess crashed or was killed), the rank survives: its
 running tasks are reported failed (rank 0 retries them), a new engine starts, the last weights
@@ -37,6 +43,9 @@ from tide_megatron.rollout.ctb_carrier import TagFields
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import (
+    STOP_GRACE_S,
+    AllCancelled,
+    CancelAll,
     CancelTask,
     Heartbeat,
     LoadWeights,
@@ -45,6 +54,7 @@ from tide_megatron.comm.messages import (
     ResumeTask,
     RunTask,
     Stop,
+    Stopped,
     TaskAssignment,
     TaskCancelled,
     TaskFailed,
@@ -61,7 +71,7 @@ from tide_megatron.rollout.task_runner import TaskRunnerConfig
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.02
-STOP_GRACE_S = 30.0  # at Stop, how long cancelled tasks may take to close their sessions
+WEIGHT_RECV_TIMEOUT_S = 1800.0  # the job group's own timeout: only a dead sender lets it pass
 FAULT_KILL_ENGINE_ENV = "TIDE_FAULT_KILL_ENGINE_AFTER_VERSION"
 """Test-only fault injector: after loading this weight version, the rank kills its own SGLang
 scheduler (as a crash would), so tests can show the rank and the run survive it."""
@@ -111,6 +121,8 @@ class RolloutWorker:
         self._busy_since: Optional[float] = None
         self._generated = 0  # tokens generated here, every task (the ledger's independent count)
         self._env_steps = 0
+        self._cancel_all_epoch: Optional[int] = None
+        """A `CancelAll` whose tasks are still ending (answered once none is left)."""
 
     def run(self) -> None:
         self._started = time.monotonic()
@@ -122,16 +134,21 @@ class RolloutWorker:
 
     async def _main(self) -> str:
         cfg = self.engine.cfg
+        logger.info("rollout rank %d: pid %d, engine ready (restarts: %d)", self.rank, os.getpid(), self.engine_restarts)
         self.mailbox.post(CONTROLLER, RankReady(engine={"max_total_tokens": cfg.max_total_tokens,
                                                         "max_running_requests": cfg.max_running_requests,
                                                         "use_sessions": cfg.use_sessions,
-                                                        "restarts": self.engine_restarts}))
+                                                        "restarts": self.engine_restarts}, pid=os.getpid()))
         next_beat = 0.0
         while not self._stopping and not self.engine.died:
             for msg in self.mailbox.poll():
                 await self._handle(msg)
                 if self.engine.died:
                     break
+            if self._cancel_all_epoch is not None and not self._tasks:
+                # after each task's TaskCancelled (posted before it leaves `_tasks`)
+                self.mailbox.post(CONTROLLER, AllCancelled(self._cancel_all_epoch))
+                self._cancel_all_epoch = None
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_interval_s
@@ -150,6 +167,8 @@ class RolloutWorker:
                 logger.warning("rollout rank %d: %d task(s) still closing %.0f s after the stop; left behind",
                                self.rank, len(pending), STOP_GRACE_S)
         self._heartbeat()
+        if self._stopping:
+            self.mailbox.post(CONTROLLER, Stopped())
         return "engine died" if self.engine.died and not self._stopping else "stopped"
 
     def _restart_engine(self) -> None:
@@ -204,15 +223,25 @@ class RolloutWorker:
             if task is None:  # already finished or never here: nothing to stop
                 self.mailbox.post(CONTROLLER, TaskCancelled(msg.task_id, 0))
             else:
-                task.cancel_reason = msg.reason or "cancelled"
-                if task.state != "generating":  # a turn in flight ends first (see _Listener)
-                    task.job.cancel()
+                self._cancel(task, msg.reason or "cancelled")
+        elif isinstance(msg, CancelAll):
+            logger.warning("rollout rank %d: quarantined by rank 0 (%s); dropping its %d task(s)",
+                           self.rank, msg.reason, len(self._tasks))
+            for task in list(self._tasks.values()):
+                self._cancel(task, "quarantined")
+            self._cancel_all_epoch = msg.epoch
         elif isinstance(msg, LoadWeights):
-            await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest))
+            await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest), msg.sender)
         elif isinstance(msg, Stop):
             self._stopping = True
         else:
             raise ValueError(f"rollout rank {self.rank}: unexpected message {msg!r}")
+
+    @staticmethod
+    def _cancel(task: _Task, reason: str) -> None:
+        task.cancel_reason = task.cancel_reason or reason
+        if task.state != "generating":  # a turn in flight ends first (see _Listener)
+            task.job.cancel()
 
     def _pause(self, task_id: str) -> None:
         """No further turn; the session closes once no turn is in flight; then `TaskReleased`."""
@@ -232,6 +261,7 @@ class RolloutWorker:
         handle.place(self.rank)
         task = self._tasks[tid] = _Task(assignment, handle, tag)
         task.job = asyncio.get_running_loop().create_task(self._run_task(task))
+        task.job.add_done_callback(lambda _, t=task: self._if_never_ran(t))
         if self._busy_since is None:
             self._busy_since = time.monotonic()
 
@@ -254,10 +284,26 @@ class RolloutWorker:
             self.mailbox.post(CONTROLLER, TaskFailed(
                 task.assignment, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=5), task.generated))
         finally:
-            del self._tasks[tid]
-            if not self._tasks and self._busy_since is not None:
-                self._busy_s += time.monotonic() - self._busy_since
-                self._busy_since = None
+            self._forget(tid)
+
+    def _if_never_ran(self, task: _Task) -> None:
+        """A job cancelled before its first step (its `RunTask` and a cancel in one poll, e.g.
+        stale tasks ahead of `CancelAll`) never runs `_run_task`, nor its `finally`: answer for
+        it here, as `_run_task` would have (it holds no session yet)."""
+        tid = task.assignment.trajectory_id
+        if self._tasks.get(tid) is not task:
+            return  # it ran, and reported itself
+        if self.engine.died:
+            self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died"))
+        else:
+            self.mailbox.post(CONTROLLER, TaskCancelled(tid, 0))
+        self._forget(tid)
+
+    def _forget(self, tid: str) -> None:
+        del self._tasks[tid]
+        if not self._tasks and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
 
     def _busy_idle(self) -> tuple[float, float]:
         now = time.monotonic()
@@ -273,25 +319,35 @@ class RolloutWorker:
             generated_tokens=self._generated, running_tokens=sum(t.generated for t in self._tasks.values()),
             running_tasks=len(self._tasks), env_steps=self._env_steps, waiting=waiting, busy_s=busy, idle_s=idle))
 
-    async def _load_weights(self, manifest: weight_sync.WeightManifest) -> None:
+    async def _load_weights(self, manifest: weight_sync.WeightManifest, sender: int) -> None:
         loop = asyncio.get_running_loop()
-        flat, comm_s = await loop.run_in_executor(None, weight_sync.broadcast_flat, self.job_group, None, manifest)
-        t0 = time.perf_counter()
-        self._last_weights = (manifest, flat)  # what a replacement engine starts from
+        beats = loop.create_task(self._beat_forever())  # the mailbox loop waits for this load
         try:
-            await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
-        except RuntimeError:
-            if not self.engine.died:
-                raise
-            self._weights_owed = True  # the replacement loads them and reports then
-            return
+            flat, comm_s = await loop.run_in_executor(None, weight_sync.receive_flat, self.job_group, manifest,
+                                                      sender, WEIGHT_RECV_TIMEOUT_S)
+            t0 = time.perf_counter()
+            self._last_weights = (manifest, flat)  # what a replacement engine starts from
+            try:
+                await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+            except RuntimeError:
+                if not self.engine.died:
+                    raise
+                self._weights_owed = True  # the replacement loads them and reports then
+                return
+        finally:
+            beats.cancel()
         if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(manifest.version) and not self.engine_restarts:
             _kill_scheduler()
         self._report_loaded(manifest.version, comm_s, time.perf_counter() - t0)
 
-    def _report_loaded(self, version: int, broadcast_s: float, load_s: float) -> None:
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            self._heartbeat()
+
+    def _report_loaded(self, version: int, transfer_s: float, load_s: float) -> None:
         busy, idle = self._busy_idle()
-        self.mailbox.post(CONTROLLER, WeightsLoaded(version, broadcast_s=broadcast_s, load_s=load_s,
+        self.mailbox.post(CONTROLLER, WeightsLoaded(version, transfer_s=transfer_s, load_s=load_s,
                                                     busy_s=busy, idle_s=idle))
 
 

@@ -20,7 +20,7 @@ on every rank in the same order. Message kinds (payload keys):
     to every rank      "roles" {actor_blocks, ref_ranks, actors_hold_ref} -> "roles_done" {role, times}
                        "push_weights" {version}, "save", "load" {path},
                        "train" {trajectories} (the synchronous baseline),
-                       and the typed `comm.messages.LoadWeights` (join the broadcast) and `Stop`
+                       and the typed `comm.messages.Stop` (weights go to rollout ranks only)
 
 Role changes (`apply`, at the post-update boundary): a leaving actor drops its weights, grads
 and optimizer state (every remaining DP replica holds the same); a joining one restores or
@@ -41,7 +41,7 @@ from typing import Any, Mapping
 from tide_megatron.comm import weight_sync
 from tide_megatron.comm.groups import GroupRegistry
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
-from tide_megatron.comm.messages import LoadWeights, Stop
+from tide_megatron.comm.messages import Stop
 from tide_megatron.core.roles import Role
 from tide_megatron.models.policy import load_hf_weights, model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
@@ -305,19 +305,24 @@ class TrainerWorker:
 
     # ---- weights and checkpoints ---------------------------------------------------------
 
-    def push_weights(self, version: int, mailbox: Mailbox | None, world_size: int) -> float:
-        """Gather HF weights on actor DP rank 0 (collective over its TP group) and broadcast them
-        from rank 0 over the job group; other ranks return at once. Returns broadcast seconds."""
+    def push_weights(self, version: int, send=None, mailbox: Mailbox | None = None) -> float:
+        """Gather HF weights on actor DP rank 0 (collective over its TP group); rank 0 packs them
+        and hands them to `send(manifest, flat)`, the controller's point-to-point push to the
+        rollout ranks it names (`comm/weight_sync.py`). Rank 0 passes `mailbox` to have its TP
+        peers join the gather ("push_weights"). Returns the seconds `send` took."""
         if self.role not in (Role.ACTOR, Role.ACTOR_REF) or self.assignment.dp_rank(self.rank) != 0:
             return 0.0
+        if mailbox is not None:
+            for peer in self.assignment.dp_members(0):
+                if peer != self.rank:
+                    mailbox.post(peer, "push_weights", version=version)
         named = list(self.actor.hf_weights())
         if self.rank != 0:
-            return 0.0  # rank 0 alone sends; the others join the broadcast from `serve`
+            return 0.0  # rank 0 alone sends
         manifest, flat = weight_sync.pack(named, version)
-        for dest in range(1, world_size):
-            mailbox.post(dest, LoadWeights(manifest.to_json()))
-        _, seconds = weight_sync.broadcast_flat(self.job_group, flat, manifest)
-        return seconds
+        started = time.perf_counter()
+        send(manifest, flat)
+        return time.perf_counter() - started
 
     def save(self, run_state: dict[str, Any] | None = None) -> str | None:
         """Checkpoint the actor (collective over the actor ranks; rank 0 passes the controller's
@@ -356,10 +361,7 @@ class TrainerWorker:
             self._resume.set()
             reader.join(timeout=5)
 
-    def _handle(self, msg: "dict[str, Any] | LoadWeights | Stop", mailbox: Mailbox) -> str:
-        if isinstance(msg, LoadWeights):  # the broadcast itself; trainer ranks drop the buffer
-            weight_sync.broadcast_flat(self.job_group, None, weight_sync.WeightManifest.from_json(msg.manifest))
-            return "continue"
+    def _handle(self, msg: "dict[str, Any] | Stop", mailbox: Mailbox) -> str:
         if isinstance(msg, Stop):
             return "stop"
         kind = msg["kind"]
@@ -379,7 +381,7 @@ class TrainerWorker:
             if self.role is Role.ROLLOUT:
                 return "rollout"
         elif kind == "push_weights":
-            self.push_weights(int(msg["version"]), None, 0)
+            self.push_weights(int(msg["version"]))
         elif kind == "save":
             self.save()
         elif kind == "load":
@@ -404,9 +406,6 @@ class TrainerWorker:
             for msg in msgs:
                 if isinstance(msg, Stop):
                     self._resume.clear()
-                    self._commands.put(msg)
-                    continue
-                if isinstance(msg, LoadWeights):
                     self._commands.put(msg)
                     continue
                 kind = msg["kind"]

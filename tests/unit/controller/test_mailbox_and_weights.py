@@ -1,8 +1,11 @@
-"""Control messages through a key-value store, and the packing of weights for the broadcast."""
+"""Control messages through a key-value store; the packing of weights and their point-to-point
+transfer, where a receiver that never receives holds up no one."""
 
 from __future__ import annotations
 
 import threading
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -10,8 +13,8 @@ import torch.distributed as dist
 import pytest
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import Heartbeat, RunTask, TaskAssignment, TrajectoryDone
-from tide_megatron.comm.weight_sync import WeightManifest, pack, unpack
+from tide_megatron.comm.messages import Heartbeat, LoadWeights, RunTask, TaskAssignment, TrajectoryDone, WeightsLoaded
+from tide_megatron.comm.weight_sync import WeightManifest, WeightSender, pack, receive_flat, unpack
 from tide_megatron.core.trajectory import Segment, Trajectory
 
 
@@ -92,3 +95,95 @@ def test_pack_refuses_mixed_dtypes():
 
     with pytest.raises(ValueError, match="expected every tensor"):
         pack([("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], 0)
+
+
+def test_a_sender_stopped_between_reserving_and_writing_blocks_no_one():
+    """A slot reserved and never written (a sender frozen inside `post`) must not block the
+    owner; the frozen sender's message is read, in its order, once written."""
+    store = dist.HashStore()
+    owner, other = Mailbox(store, 0), Mailbox(store, 2)
+    frozen_slot = store.add("tide/mb/0/n", 1) - 1  # rank 1 reserved a slot, then stopped
+    other.post(0, "trained", i=0)
+    t0 = time.monotonic()
+    assert [m["src"] for m in owner.poll()] == [2]  # at once, not after the store's timeout
+    assert time.monotonic() - t0 < 1
+    other.post(0, "trained", i=1)
+    assert [m["i"] for m in owner.poll()] == [1]
+    # rank 1 wakes: it writes its slot, then posts again; both come out, in its order
+    store.set(f"tide/mb/0/{frozen_slot}", '{"kind":"trained","src":1,"i":10}')
+    Mailbox(store, 1).post(0, "trained", i=11)
+    assert [(m["src"], m["i"]) for m in owner.poll()] == [(1, 10), (1, 11)]
+    assert owner.poll() == []
+
+
+# -- point-to-point weights: three gloo ranks, one thread each, on loopback ----------------------
+WORLD = 3
+
+
+def _named(version: int) -> list[tuple[str, torch.Tensor]]:
+    return [("a.weight", torch.full((64, 32), float(version))), ("b.bias", torch.arange(32.0) + version)]
+
+
+def _group(store, rank: int):
+    return dist.ProcessGroupGloo(dist.PrefixStore("pg", store), rank, WORLD, timedelta(seconds=30))
+
+
+def _take(mailbox: Mailbox, kind: type, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for msg in mailbox.poll():
+            if isinstance(msg, kind):
+                return msg
+        time.sleep(0.01)
+    raise TimeoutError(f"no {kind.__name__} within {timeout_s} s")
+
+
+def test_a_receiver_that_never_receives_blocks_no_one():
+    store = dist.HashStore()
+    groups: dict[int, object] = {}
+    made = [threading.Thread(target=lambda r=r: groups.__setitem__(r, _group(store, r))) for r in range(WORLD)]
+    for t in made:
+        t.start()
+    for t in made:
+        t.join(timeout=30)
+    assert len(groups) == WORLD
+    got: dict[int, list] = {1: [], 2: []}
+    wake_rank2 = threading.Event()
+
+    def receiver(rank: int, versions: int) -> None:
+        mailbox = Mailbox(store, rank)
+        for _ in range(versions):
+            if rank == 2:
+                assert wake_rank2.wait(timeout=30)  # hung until rank 0 is done with the others
+            msg = _take(mailbox, LoadWeights, 30)
+            manifest = WeightManifest.from_json(msg.manifest)
+            flat, _ = receive_flat(groups[rank], manifest, msg.sender, timeout_s=30)
+            got[rank].append((manifest.version, unpack(manifest, flat)))
+            mailbox.post(0, WeightsLoaded(manifest.version))
+
+    threads = [threading.Thread(target=receiver, args=(1, 2)), threading.Thread(target=receiver, args=(2, 1))]
+    for t in threads:
+        t.start()
+    sender, inbox = WeightSender(groups[0], Mailbox(store, 0)), Mailbox(store, 0)
+    t0 = time.monotonic()
+    sends = sender.send(*pack(_named(1), 1), receivers=[1, 2])
+    assert time.monotonic() - t0 < 5  # nothing waits for rank 2
+    assert [(s.rank, s.version) for s in sends] == [(1, 1), (2, 1)]
+    assert _take(inbox, WeightsLoaded, 30).src == 1
+    # rank 2 stays silent; the next version goes to rank 1 alone, over the same group
+    later = sender.send(*pack(_named(2), 2), receivers=[1])  # kept: a dropped Send may abort its transfer
+    assert _take(inbox, WeightsLoaded, 30).src == 1
+    assert time.monotonic() - t0 < 20
+    assert [v for v, _ in got[1]] == [1, 2] and got[2] == []
+    for version, tensors in got[1]:
+        for (name, t), (name2, t2) in zip(_named(version), tensors):
+            assert name == name2 and torch.equal(t, t2)
+    wake_rank2.set()  # it wakes: its pending send (version 1) completes
+    loaded = _take(inbox, WeightsLoaded, 30)
+    assert (loaded.src, loaded.version) == (2, 1)
+    for t in threads:
+        t.join(timeout=30)
+    assert [v for v, _ in got[2]] == [1] and torch.equal(got[2][0][1][0][1], _named(1)[0][1])
+    del sends, later  # confirmed: their buffers may go
+    for group in groups.values():
+        group.shutdown()

@@ -15,8 +15,9 @@ import pytest
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import (CancelTask, Heartbeat, LoadWeights, RankReady, RunTask, Stop, TaskCancelled,
-                                         TaskFailed, TrajectoryDone)
+from tide_megatron.comm.messages import (AllCancelled, CancelAll, CancelTask, Heartbeat, LoadWeights, RankReady, RunTask,
+                                         Stop, TaskCancelled, TaskFailed, TrajectoryDone, WeightsLoaded)
+from tide_megatron.comm.weight_sync import Send
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
@@ -31,7 +32,9 @@ G = 2
 
 class FakeRank(threading.Thread):
     """Answers each RunTask after `delay_s` with a trajectory of `gen` tokens, unless `fate(tid,
-    attempt)` says 'fail', 'vanish' (never answer, as if the message were lost) or 'hang'."""
+    attempt)` says 'fail', 'vanish' (never answer, as if the message were lost) or 'hang'. A task
+    generates its `gen` tokens when it starts. While `frozen` is set the rank does nothing at
+    all (a hung process: no heartbeat, no answer)."""
 
     def __init__(self, store, rank: int, *, gen: int = 5, delay_s: float = 0.01,
                  fate: Callable[[str, int], str] = lambda tid, attempt: "ok", heartbeat_s: float = 0.05,
@@ -43,23 +46,36 @@ class FakeRank(threading.Thread):
         self.running: dict[str, tuple[float, RunTask]] = {}
         self.hung: set[str] = set()
         self.stop = threading.Event()
+        self.frozen = threading.Event()
         self.seen: list = []
 
     def run(self) -> None:
         self.mb.post(0, RankReady(engine={"max_running_requests": 8}))
         next_beat = 0.0
         while not self.stop.is_set():
+            if self.frozen.is_set():
+                time.sleep(0.01)
+                continue
             now = time.monotonic()
             for msg in self.mb.poll():
                 self.seen.append(msg)
                 if isinstance(msg, RunTask):
                     self.running[msg.assignment.trajectory_id] = (now + self.delay_s, msg)
+                    self.generated += self.gen
                 elif isinstance(msg, CancelTask):
                     if self.running.pop(msg.task_id, None) or msg.task_id in self.hung:
                         self.hung.discard(msg.task_id)
                         self.mb.post(0, TaskCancelled(msg.task_id, self.gen))
                     else:
                         self.mb.post(0, TaskCancelled(msg.task_id, 0))
+                elif isinstance(msg, CancelAll):
+                    for tid in [*self.running, *self.hung]:
+                        self.mb.post(0, TaskCancelled(tid, self.gen))
+                    self.running.clear()
+                    self.hung.clear()
+                    self.mb.post(0, AllCancelled(msg.epoch))
+                elif isinstance(msg, LoadWeights):
+                    self.mb.post(0, WeightsLoaded(msg.manifest["version"]))
                 elif isinstance(msg, Stop):
                     return
             for tid, (due, run) in list(self.running.items()):
@@ -68,7 +84,6 @@ class FakeRank(threading.Thread):
                 del self.running[tid]
                 a = run.assignment
                 fate = self.fate(tid, a.attempt)
-                self.generated += self.gen
                 if fate == "ok":
                     self.mb.post(0, TrajectoryDone(Trajectory(
                         a.group_id, a.index, a.task["task_id"], 0, 3, self.gen, float(a.index), is_eval=a.is_eval,
@@ -80,12 +95,24 @@ class FakeRank(threading.Thread):
                     self.hung.add(tid)
                 # "vanish": generated, never reported
             if self.beat and now >= next_beat:
-                running_tokens = self.gen * len(self.hung)
+                running_tokens = self.gen * (len(self.running) + len(self.hung))
                 self.mb.post(0, Heartbeat(generated_tokens=self.generated, running_tokens=running_tokens,
                                           running_tasks=len(self.running) + len(self.hung), env_steps=self.generated // self.gen,
                                           waiting=[f"{t}: env step for 1 s" for t in self.hung]))
                 next_beat = now + self.heartbeat_s
             time.sleep(0.002)
+
+
+class FakeSender:
+    """`weight_sync.WeightSender` without the transfer: the manifest goes by mailbox only."""
+
+    def __init__(self, store):
+        self.mb = Mailbox(store, 0)
+
+    def send(self, manifest, flat, receivers):
+        for r in receivers:
+            self.mb.post(r, LoadWeights({"version": manifest.version}))
+        return [Send(r, manifest.version, None, 0.0) for r in receivers]
 
 
 def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
@@ -97,7 +124,8 @@ def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, st
     svc = RolloutService(mailbox=mailbox, buffer=buffer, placement=RequestPlacement(mailbox, list(ranks), 8),
                          mode=mode_policy(mode), rollout_ranks=list(ranks), tasks=TASKS, group_size=G,
                          groups_per_step=groups_per_step, max_staleness=1, max_task_retries=retries,
-                         max_failed_groups=max_failed_groups, seed=0, start_version=0, health=health)
+                         max_failed_groups=max_failed_groups, seed=0, start_version=0, health=health,
+                         weight_sender=FakeSender(store))
     svc.start()
     return svc
 
@@ -242,6 +270,73 @@ def test_doomed_groups_are_cancelled_at_once_and_their_tokens_wasted(store):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert svc.call(lambda: dict(svc.counters))["groups_cancelled"] >= 1
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
+def _until(what: str, cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class _Manifest:
+    version = 1
+
+
+def test_a_silent_rank_is_quarantined_its_tasks_run_elsewhere_and_it_rejoins(store):
+    ranks = {1: FakeRank(store, 1, delay_s=0.05), 2: FakeRank(store, 2, delay_s=100.0)}  # rank 2's tasks run long
+    for r in ranks.values():
+        r.start()
+    svc = make_service(store, mode="sync", heartbeat_timeout_s=0.5, ranks=(1, 2))
+    try:
+        _until("both ranks", lambda: svc.call(lambda: len(svc.engines)) == 2)
+        svc.call(lambda: svc.request_groups(2))  # a group on each rank
+        _until("rank 2's tasks", lambda: len(ranks[2].running) == 2)
+        time.sleep(0.2)  # a heartbeat shows them running, then it hangs
+        ranks[2].frozen.set()
+        batch, _, _ = wait_batch(svc)
+        assert batch.num_trajectories == 2 * G  # its group ran again on rank 1
+        assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 0, "out_of_service": 1}
+        assert svc.call(lambda: svc.counters["retries"]) == G
+        assert svc.call(svc.ledger_snapshot)["failed"] == G * 5  # written off at once: it may never come back
+        assert svc.call(lambda: svc.send_weights(_Manifest, None)) == [1]  # left out of the sync
+
+        ranks[2].frozen.clear()  # it wakes, drops what it held, answers
+        _until("the drain", lambda: svc.call(lambda: svc.quarantine.out[2].drained))
+        assert svc.call(lambda: svc.send_weights(type("M", (), {"version": 2}), None)) == [1, 2]
+        _until("the rejoin", lambda: svc.call(svc.quarantine_counts)["rejoins"] == 1)
+        assert svc.call(lambda: svc.weights_settled(2))
+        ranks[2].delay_s = 0.05
+        before = sum(isinstance(m, RunTask) for m in ranks[2].seen)
+        svc.call(lambda: svc.close_step())
+        svc.call(lambda: svc.request_groups(2))
+        wait_batch(svc)
+        assert sum(isinstance(m, RunTask) for m in ranks[2].seen) > before  # dispatched to again
+        time.sleep(0.3)  # the last heartbeats
+        led = svc.call(svc.ledger_snapshot)
+        # its late cancellations were covered by the write-off: nothing booked twice, nothing lost
+        assert led["lost"] == 0 and led["failed"] == G * 5 and led["cancelled"] == 0
+        assert led["generated"] == ranks[1].generated + ranks[2].generated
+        assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 1, "out_of_service": 0}
+    finally:
+        svc.stop()
+        for r in ranks.values():
+            r.stop.set()
+
+
+def test_the_run_stops_when_no_rollout_rank_is_left(store):
+    rank = FakeRank(store, 1, delay_s=100.0)
+    rank.start()
+    svc = make_service(store, mode="sync", heartbeat_timeout_s=0.5)
+    try:
+        _until("the rank", lambda: svc.call(lambda: len(svc.engines)) == 1)
+        rank.frozen.set()
+        svc.call(lambda: svc.request_groups(1))
+        with pytest.raises(RunError, match=r"rollout rank 1 sent nothing.*0 rollout rank\(s\) left in service"):
+            wait_batch(svc, timeout=20)
     finally:
         svc.stop()
         rank.stop.set()

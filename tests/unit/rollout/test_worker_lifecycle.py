@@ -93,3 +93,31 @@ def test_heartbeats_go_on_while_a_dead_engine_is_replaced():
     sent = len(mailbox.sent)
     threading.Event().wait(0.2)
     assert len(mailbox.sent) == sent  # the heartbeat thread ended with the restart
+
+
+def test_cancel_all_answers_for_tasks_that_never_started():
+    """Stale `RunTask`s ahead of a `CancelAll` in one poll (a rank woken after its quarantine):
+    their jobs are cancelled before their first step, so `_run_task` never runs; each is still
+    answered, and then `AllCancelled`."""
+    from tide_megatron.comm.messages import AllCancelled, CancelAll
+
+    mailbox, engine = FakeMailbox(), FakeEngine()
+    worker = worker_mod.RolloutWorker(1, engine, TaskRunnerConfig(), types.SimpleNamespace(), env=None,
+                                      mailbox=mailbox, job_group=None, heartbeat_interval_s=0.05)
+    worker._runner = WaitsForResume()
+    stale = [TaskAssignment(task={"task_id": "t0"}, group_id="g0", index=i) for i in range(2)]
+    mailbox.inbox = [RunTask(a) for a in stale] + [CancelAll(epoch=3, reason="silent")]
+
+    def stop_when_answered():
+        while not any(isinstance(m, AllCancelled) for m in mailbox.sent):
+            threading.Event().wait(0.01)
+        mailbox.inbox.append(Stop())
+
+    threading.Thread(target=stop_when_answered, daemon=True).start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
+    assert done.wait(20), "no AllCancelled: a task cancelled before it started was never answered"
+    answers = [m for m in mailbox.sent if isinstance(m, (TaskCancelled, AllCancelled))]
+    assert [type(m).__name__ for m in answers] == ["TaskCancelled", "TaskCancelled", "AllCancelled"]
+    assert {m.task_id for m in answers[:2]} == {a.trajectory_id for a in stale} and answers[2].epoch == 3
+    assert worker._tasks == {}

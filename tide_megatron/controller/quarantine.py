@@ -1,0 +1,219 @@
+"""Which rollout ranks are out of service, why, and where each stands on its way back; and
+which weight sends still wait for their receiver.
+
+A rollout rank is quarantined when it sends nothing for `scheduler.heartbeat_timeout_s`
+(`health.py` says so) or does not confirm the weights it was sent within
+`scheduler.weight_sync_timeout_s`. Quarantine, in the order the rollout service does it:
+
+1. out: the placement drops the rank (no new dispatch; its resident and paused tasks come back
+   as failed and are retried elsewhere, re-prefilling there, or their groups given up, as for
+   the tasks of a dead engine); its tasks' tokens are booked as failed (`health.quarantine`);
+   it is left out of every weight sync; one `CancelAll` is posted to it at once. A mailbox is
+   a FIFO, so that is the first thing the rank reads after what was queued for it already.
+2. drained: the rank answers `AllCancelled` (after a `TaskCancelled` for each task it still
+   had). Its reports of tasks it no longer owns are late: never booked into the buffer, their
+   tokens drawn from the write-off (`health.late`).
+3. rejoining: once drained and heard from within the heartbeat timeout, it is one of the
+   receivers of the next weight sync.
+4. in service again: its `WeightsLoaded` for that version arrives; the placement adds it back
+   and dispatches to it from then on.
+
+The run stops (with the silent rank's message) only when fewer than
+`scheduler.min_rollout_ranks` ranks are left in service.
+
+Owned by the rollout service thread, which calls everything here (nothing is locked or
+threaded); the service keeps the retries and the stop rule, this class the rest.
+A weight send (`weight_sync.Send`) is kept until its receiver confirms it: its buffer must
+outlive the transfer (a dropped gloo send never arrives, and its receiver would wait for it),
+and a quarantined receiver that wakes up reads its `LoadWeights` in order and completes each.
+The cost: a rank that hangs holds on rank 0 the buffers of the syncs sent to it before its
+quarantine (those within one heartbeat timeout) until it wakes or the job ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+from tide_megatron.comm.messages import (AllCancelled, CancelAll, TaskCancelled, TaskFailed, TaskReleased,
+                                         TrajectoryDone, TurnEvent, WeightsLoaded)
+
+logger = logging.getLogger(__name__)
+
+_LATE = (TrajectoryDone, TaskFailed, TaskCancelled, TaskReleased, TurnEvent)
+
+
+@dataclass
+class OutOfService:
+    """A quarantined rank."""
+
+    rank: int
+    reason: str
+    since: float
+    """`time.monotonic()` when it was taken out."""
+    epoch: int
+    """Matches its `AllCancelled` to the `CancelAll` of this quarantine."""
+    tasks_moved: int = 0
+    drained: bool = False
+    """It answered `CancelAll`: it holds no task any more."""
+    rejoin_version: Optional[int] = None
+    """The weights sent for its rejoin, until it confirms them (or fails to in time)."""
+
+
+class Quarantine:
+    def __init__(self, ranks: Iterable[int] = (), *, placement=None, health=None, ledger=None, mailbox=None,
+                 weight_sender=None, weight_sync_timeout_s: float = 300.0):
+        self.ranks = list(ranks)
+        self.placement, self.health, self.ledger, self.mailbox = placement, health, ledger, mailbox
+        self.weight_sender = weight_sender  # weight_sync.WeightSender
+        self.weight_sync_timeout_s = weight_sync_timeout_s
+        self.out: dict[int, OutOfService] = {}
+        self.counts = {"quarantines": 0, "rejoins": 0}
+        self._epochs = 0
+        self._sends: dict[tuple[int, int], Any] = {}  # (rank, version) -> its unconfirmed Send
+        self._deadlines: dict[tuple[int, int], float] = {}  # sends still bounded (rank not out)
+        self._awaiting: dict[int, set[int]] = {}  # version -> receivers a sync mode step waits for
+
+    # -- the steps (side effects on the placement, health, ledger and mailbox) ----------------
+    def take_out(self, rank: int, reason: str, now: float) -> tuple[list[str], int]:
+        """Step 1: returns the ids of the tasks taken back (each failed there: the caller
+        retries it or gives its group up) and the tokens booked for them as failed."""
+        task_ids = self.placement.drop_rank(rank)
+        written_off = self.health.quarantine(rank, now)
+        self.ledger.book_attempt(written_off, fate="failed")
+        self.mailbox.post(rank, CancelAll(self.put_out(rank, reason, now, len(task_ids)), reason))
+        return task_ids, written_off
+
+    def handles(self, msg, now: float) -> bool:
+        """Steps 2 and 4, and weight confirmations: True when `msg` was taken care of here."""
+        if isinstance(msg, WeightsLoaded):
+            if self.loaded(msg.src, msg.version):
+                self.placement.add_rank(msg.src)
+                self.health.rejoined(msg.src)
+                self.health.seen(msg.src, now)
+                logger.warning("rollout rank %d rejoined with the weights of version %d; tasks are dispatched to "
+                               "it again", msg.src, msg.version)
+            return True
+        if isinstance(msg, AllCancelled):
+            if self.drained(msg.src, msg.epoch):
+                logger.info("quarantined rollout rank %d holds no task any more; it rejoins at the next weight "
+                            "sync", msg.src)
+            return True
+        if msg.src not in self.out or not isinstance(msg, _LATE):
+            return False
+        # A task it no longer owns: never into the buffer; its tokens beyond the write-off are wasted.
+        tokens = msg.trajectory.generated_tokens if isinstance(msg, TrajectoryDone) else \
+            getattr(msg, "generated_tokens", 0)
+        if tokens:
+            self.ledger.book_attempt(self.health.late(msg.src, tokens, now), fate="cancelled")
+        return True
+
+    def send_weights(self, manifest, flat, now: float) -> list[int]:
+        """Step 3 (and every sync): send to the ranks in service and those ready to rejoin."""
+        receivers = self.receivers(self.ranks, lambda r: self.health.back(r, now))
+        self.sent(self.weight_sender.send(manifest, flat, receivers), now + self.weight_sync_timeout_s)
+        return receivers
+
+    def overdue(self, now: float) -> list[tuple[int, str]]:
+        """Ranks in service whose weights were not confirmed in time, with the reason to take
+        them out; a rejoining rank in that case just stays out (it may try at a later sync)."""
+        out = []
+        for rank, version in self.overdue_sends(now):
+            why = (f"rollout rank {rank} did not confirm the weights of version {version} within "
+                   f"{self.weight_sync_timeout_s:.0f} s (scheduler.weight_sync_timeout_s)")
+            if rank in self.out:
+                logger.warning("%s: it stays quarantined", why)
+            else:
+                out.append((rank, why))
+        return out
+
+    # -- out and back (bookkeeping) ---------------------------------------------------------
+    def is_out(self, rank: int) -> bool:
+        return rank in self.out
+
+    def in_service(self, ranks: Iterable[int]) -> list[int]:
+        return [r for r in ranks if r not in self.out]
+
+    def put_out(self, rank: int, reason: str, now: float, tasks_moved: int = 0) -> int:
+        """Take `rank` out of service; returns the epoch for its `CancelAll`."""
+        if rank in self.out:
+            raise ValueError(f"rollout rank {rank} is quarantined already")
+        self._epochs += 1
+        self.out[rank] = OutOfService(rank, reason, now, self._epochs, tasks_moved)
+        self.counts["quarantines"] += 1
+        self._forget_rank(rank)
+        return self._epochs
+
+    def drained(self, rank: int, epoch: int) -> bool:
+        """The rank answered `CancelAll` of `epoch`; False for an answer to an older quarantine."""
+        q = self.out.get(rank)
+        if q is None or q.epoch != epoch:
+            return False
+        q.drained = True
+        return True
+
+    def receivers(self, ranks: Iterable[int], heard_from: Callable[[int], bool]) -> list[int]:
+        """Who gets the next weights: the ranks in service, and quarantined ones ready to
+        rejoin (drained, heard from lately, no rejoin under way)."""
+        back = [r for r, q in sorted(self.out.items())
+                if q.drained and q.rejoin_version is None and heard_from(r)]
+        return sorted(set(self.in_service(ranks)) | set(back))
+
+    # -- weight sends -----------------------------------------------------------------------
+    def sent(self, sends: Iterable[Any], deadline: float) -> None:
+        """Sends of one sync (`weight_sync.Send`s): each must be confirmed by `deadline`."""
+        for s in sends:
+            key = (s.rank, s.version)
+            self._sends[key] = s
+            self._deadlines[key] = deadline
+            self._awaiting.setdefault(s.version, set()).add(s.rank)
+            if s.rank in self.out:
+                self.out[s.rank].rejoin_version = s.version
+
+    def loaded(self, rank: int, version: int) -> bool:
+        """The rank confirmed `version`: its send is done. True when this brings a quarantined
+        rank back into service (the caller adds it to the placement)."""
+        key = (rank, version)
+        self._sends.pop(key, None)  # the transfer is over: gloo no longer reads the buffer
+        self._deadlines.pop(key, None)
+        self._settle(version, rank)
+        q = self.out.get(rank)
+        if q is None or q.rejoin_version != version:
+            return False
+        del self.out[rank]
+        self.counts["rejoins"] += 1
+        return True
+
+    def overdue_sends(self, now: float) -> list[tuple[int, int]]:
+        """(rank, version) of sends not confirmed in time, each reported once. A quarantined
+        rank that was rejoining stays out and may try again at a later sync."""
+        late = sorted(k for k, deadline in self._deadlines.items() if now > deadline)
+        for rank, version in late:
+            del self._deadlines[(rank, version)]
+            self._settle(version, rank)
+            q = self.out.get(rank)
+            if q is not None and q.rejoin_version == version:
+                q.rejoin_version = None
+        return late
+
+    def settled(self, version: int) -> bool:
+        """Every receiver of `version` confirmed it or was given up (a sync mode step waits for this)."""
+        return not self._awaiting.get(version)
+
+    def unconfirmed(self) -> list[tuple[int, int]]:
+        return sorted(self._sends)
+
+    def _forget_rank(self, rank: int) -> None:
+        """A rank just taken out is waited for by no sync; its sends stay until it confirms them."""
+        for key in [k for k in self._deadlines if k[0] == rank]:
+            del self._deadlines[key]
+        for version in list(self._awaiting):
+            self._settle(version, rank)
+
+    def _settle(self, version: int, rank: int) -> None:
+        waiting = self._awaiting.get(version)
+        if waiting is not None:
+            waiting.discard(rank)
+            if not waiting:
+                del self._awaiting[version]
