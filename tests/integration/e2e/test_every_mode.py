@@ -112,3 +112,10 @@ def test_trainer_roles_change_every_step_under_load(tmp_path):
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     # Start-up (both layouts possible, rank 2 idle in step 1's colocated step), then the drill.
     assert [span["role"] for span in timeline["ranks"]["2"]] == ["ref", "idle", "ref", "actor_ref", "ref", "actor_ref"]
+
+
+def test_tide_trains_a_tensor_parallel_actor(tmp_path):
+    """TP=2 actor (ranks 0, 1): both TP ranks join each step and each weight gather."""
+    rows = train(tmp_path, 4, "scheduler.mode=tide", "cluster.rollout_ranks=2", "trainer.tp_size=2", "run.steps=3")
+    check(rows, 3, 4)
+    assert all(r["trainer/dp_size"] == 1 for r in rows)
