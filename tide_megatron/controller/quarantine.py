@@ -100,7 +100,7 @@ class Quarantine:
                 logger.info("quarantined rollout rank %d holds no task any more; it rejoins at the next weight "
                             "sync", msg.src)
             return True
-        if msg.src not in self.out or not isinstance(msg, _LATE):
+        if not isinstance(msg, _LATE) or msg.src not in self.out:  # (trainer ranks post plain dicts)
             return False
         # A task it no longer owns: never into the buffer; its tokens beyond the write-off are wasted.
         tokens = msg.trajectory.generated_tokens if isinstance(msg, TrajectoryDone) else \
