@@ -28,7 +28,7 @@ import queue
 import random
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Any, Callable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox

@@ -12,7 +12,7 @@ One step over N actor DP ranks (each a TP block) and R reference ranks:
 
 The counts per DP rank are fixed when the step opens (Megatron's schedule needs them); a DP rank
 may get 0 (it then trains nothing but joins the all-reduce). Role changes go out with
-`post_roles` at the post-update boundary, before the weight broadcast, to every rank in the
+`post_roles` at the post-update boundary, before the weight sync, to every rank in the
 same order.
 """
 

@@ -19,7 +19,6 @@ on every rank in the same order. Message kinds (payload keys):
                        -> "ref_done" {report, costs}
     to every rank      "roles" {actor_blocks, ref_ranks, actors_hold_ref} -> "roles_done" {role, times}
                        "push_weights" {version}, "save", "load" {path},
-                       "train" {trajectories} (the synchronous baseline),
                        and the typed `comm.messages.Stop` (weights go to rollout ranks only)
 
 Role changes (`apply`, at the post-update boundary): a leaving actor drops its weights, grads
@@ -48,10 +47,9 @@ from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
 from tide_megatron.trainer import checkpoint as ckpt
 from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult
 from tide_megatron.trainer.assignment import TrainerAssignment, plan_transition
-from tide_megatron.trainer.batch import pack_micro_batches
 from tide_megatron.trainer.config import TrainerConfig
 from tide_megatron.trainer.offload import ModelOffloader, OffloadConfig
-from tide_megatron.trainer.payload import empty_micro_batch, micro_batch_of, to_train_trajectory
+from tide_megatron.trainer.payload import empty_micro_batch, micro_batch_of
 from tide_megatron.trainer.ra2p import (ArrivingSource, ColocatedConfig, ColocatedExecutor, CostMeter,
                                         DecoupledActorExecutor, DecoupledConfig, LogprobStream,
                                         MicroBatchSource, ReadySource, RefStreamServer, StepReport)
@@ -180,12 +178,6 @@ class TrainerWorker:
             self._ref_on_host = False
         return time.perf_counter() - started
 
-    def _close_colocated(self) -> None:
-        """Both models resident, the colocated executor gone (rebuilt at the next colocated step)."""
-        if self._colocated is not None:
-            self._colocated.close()
-            self._colocated = None
-
     # ---- role changes --------------------------------------------------------------------
 
     def apply(self, new: TrainerAssignment) -> dict[str, float]:
@@ -263,23 +255,6 @@ class TrainerWorker:
             self._colocated = ColocatedExecutor(actor, self.ref, self.colocated_cfg, self.meter,
                                                 ref_offloader=self._ref_parking)
         return self._colocated.run_step(source)
-
-    def train(self, trajectories: list[dict[str, Any]]) -> tuple[StepResult, dict[str, float]]:
-        """The synchronous baseline's step (VeRL-like): this rank's whole shard ready, the
-        reference over all of it, then the actor, both models resident."""
-        actor = self._require_actor()
-        trajs = sorted((to_train_trajectory(t, self.images) for t in trajectories), key=len, reverse=True)
-        micro_batches = pack_micro_batches(trajs, self.cfg.micro_batch_tokens, self.cfg.pad_to_multiple_of)
-        if not micro_batches:
-            micro_batches = [empty_micro_batch(with_ref=self.needs_ref)]
-        t0 = time.perf_counter()
-        if self.needs_ref and micro_batches[0].ref_logprobs is None:
-            self._close_colocated()
-            self.ref.attach_logprobs(micro_batches)
-        t1 = time.perf_counter()
-        result = actor.train_step(micro_batches)
-        return result, {"time/ref_s": t1 - t0, "time/actor_s": time.perf_counter() - t1,
-                        "micro_batches": len(micro_batches)}
 
     # ---- one step: reference side --------------------------------------------------------
 
@@ -372,9 +347,6 @@ class TrainerWorker:
         elif kind == "ref_step":
             report = self.serve_ref_step(msg["sources"])
             mailbox.post(CONTROLLER, "ref_done", report=report.as_dict(), costs=dict(self.meter.values))
-        elif kind == "train":
-            result, _ = self.train(msg["trajectories"])
-            mailbox.post(CONTROLLER, "trained", step=result.step)
         elif kind == "roles":
             times = self.apply(TrainerAssignment.from_message(self.registry.layout, msg))
             mailbox.post(CONTROLLER, "roles_done", role=self.role.value, times=times)
