@@ -152,7 +152,8 @@ def main() -> int:
         for rep in range(args.reps):
             order = cfgs if rep % 2 == 0 else list(reversed(cfgs))
             for cfg in order:
-                result = run_one(cfg, args, tmp / f"rep{rep}_{cfg['label']}", args.seed + rep)
+                run_dir = tmp / f"rep{rep}_{cfg['label'].replace('[', '_').replace(']', '')}"  # Hydra-safe
+                result = run_one(cfg, args, run_dir, args.seed + rep)
                 result["rep"], result["seed"] = rep, args.seed + rep
                 runs.append(result)
                 status = "FAILED" if result["failed"] else f"{result['run_goodput_tok_s']:.1f} tok/s"
