@@ -40,7 +40,9 @@ def test_a_tight_rollout_finishes_with_pauses_and_never_takes_the_last_free_row(
     assert sorted(f"{t.group_id}/{t.index}" for t in trajectories) == sorted(a.trajectory_id for a in _assignments(6, 4))
     assert all(t.turns == 4 for t in trajectories)
     assert 0 < d.stats["resumes"] <= d.stats["pauses"]  # a task paused mid-turn may finish without a resume
-    assert sum(t.info["ctb_pauses"] for t in trajectories) == d.stats["pauses"]
+    # A pause decided while the task ends its last turn finds no task to pause (a race a loaded
+    # machine shows: CI had 6 honoured of 7 decided), so the trajectories count at most as many.
+    assert 0 < sum(t.info["ctb_pauses"] for t in trajectories) <= d.stats["pauses"]
     for e in engines.values():
         assert e.peak_rows <= e.rows - 1  # one row always stayed free for a resident's next turn
         assert not e.session_rows  # every session was closed
