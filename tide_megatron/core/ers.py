@@ -47,8 +47,9 @@ loans: the caller returns to the reactive plan at the next boundary, outside the
 
 Rank choice is deterministic: a rollout rank is reclaimed from the least loaded (fewest
 resident tokens per the caller's `rollout_load`; ties to the highest rank id, keeping low ranks
-stable), a trainer rank is released from the highest id, and Ref ranks are the highest trainer
-ids.
+stable) or, with `reclaim="lowest"`, the lowest rollout id (the real trainer needs its ranks
+to be a prefix of the job: actor DP groups are the first TP blocks); a trainer rank is
+released from the highest id, and Ref ranks are the highest trainer ids.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class ERSConfig:
     kv_headroom: float = 0.9
     """Rollout can absorb one rank's load when its KV use, scaled by R/(R-1), stays below this
     share of the budget (CTB's budget is below the physical pool already)."""
+    reclaim: str = "least_loaded"
+    """Which rollout rank joins the trainer: "least_loaded" (fewest resident tokens, the least
+    work re-dispatched) or "lowest" (the lowest id, so the trainer stays a prefix of the ranks,
+    as the real system's process groups need)."""
     decode_slowdown: float = 0.25
     """Decode counts as slowed by batching when its mean iteration exceeds the batch-of-one
     iteration by more than this share: at 25% a trajectory's decode is a fifth slower than it
@@ -105,6 +110,8 @@ class ERSConfig:
             raise ValueError("max_moves_per_step and deadband must be >= 0")
         if not 0 < self.rate_ewma_alpha <= 1:
             raise ValueError("rate_ewma_alpha must be in (0, 1]")
+        if self.reclaim not in ("least_loaded", "lowest"):
+            raise ValueError(f"reclaim must be 'least_loaded' or 'lowest', got {self.reclaim!r}")
         if self.decode_slowdown < 0:
             raise ValueError("decode_slowdown must be >= 0")
         for name in ("slots_full_fraction", "starved_fraction", "kv_headroom"):
@@ -317,8 +324,9 @@ class ERSController:
                 load: Mapping[int, float]) -> dict[int, Role]:
         rollout = list(current.rollout_ranks)
         trainer = list(current.trainer_ranks)
-        while len(rollout) > n_roll:  # reclaim the least loaded rollout rank
-            r = min(rollout, key=lambda k: (load.get(k, 0.0), -k))
+        lowest = self.config.reclaim == "lowest"
+        while len(rollout) > n_roll:  # reclaim the least loaded (or the lowest) rollout rank
+            r = min(rollout) if lowest else min(rollout, key=lambda k: (load.get(k, 0.0), -k))
             rollout.remove(r)
             trainer.append(r)
         while len(rollout) < n_roll:  # release the highest trainer rank

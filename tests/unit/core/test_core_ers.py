@@ -59,6 +59,29 @@ def test_rate_balance_moves_one_rank_toward_the_target():
     assert nxt.ranks_leaving_rollout(cur) == [7]  # least loaded (all 0) -> highest id
 
 
+@given(st.integers(3, 12), st.lists(st.sampled_from(["up", "down"]), min_size=1, max_size=12))
+def test_reclaim_lowest_keeps_the_trainer_a_prefix(world, moves):
+    """With reclaim="lowest" the trainer ranks are always 0..T-1, whichever way the split moves,
+    and Ref ranks are the highest of them (the real system's process groups need this)."""
+    ers = controller(world, reclaim="lowest", cooldown_steps=0)
+    plan = ers.initial_plan(0.5)
+    for step, move in enumerate(moves):
+        r = len(plan.rollout_ranks)
+        # rollout far faster per rank than the trainer pulls ranks to the trainer, and vice versa
+        fresh, trained = (90_000, 1_000) if move == "up" else (1_000, 90_000)
+        plan = ers.plan(plan, measure(trainer=world - r, rollout=r, fresh=fresh, trained=trained), TIMES,
+                        step=step, rollout_load={k: float(world - k) for k in plan.rollout_ranks})
+        trainer = plan.trainer_ranks
+        assert trainer == list(range(len(trainer))), plan.roles
+        if plan.mode is RA2PMode.DECOUPLED:
+            assert plan.ref_ranks == trainer[len(trainer) - len(plan.ref_ranks):]
+
+
+def test_reclaim_must_be_known():
+    with pytest.raises(ValueError, match="reclaim"):
+        ERSConfig(reclaim="random")
+
+
 def test_deadband_holds_a_near_balance():
     ers = controller(8, deadband=0.02)
     cur = plan_of([AR] * 4 + [R] * 4)
