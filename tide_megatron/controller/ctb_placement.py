@@ -124,6 +124,20 @@ class CTBPlacement:
         """A rank rejoins with a fresh engine state (it dropped every task and loaded new weights)."""
         self.dispatcher.add_rank(rank, self._resources)
 
+    def kv_usage(self, ranks) -> float | None:
+        """Mean share of the KV token budget that resident tasks hold on `ranks` (None: none
+        known to CTB, or CTB off)."""
+        if not self.dispatcher.cfg.enabled:
+            return None
+        shares = []
+        for rank in ranks:
+            try:
+                used, budget = self.dispatcher.policy.rank_usage(rank)
+            except KeyError:
+                continue
+            shares.append(used / budget if budget else 0.0)
+        return sum(shares) / len(shares) if shares else None
+
     def queued(self) -> int:
         return self.dispatcher.policy.counts()["queued"]
 

@@ -68,12 +68,14 @@ class RolloutHealth:
     def ranks(self) -> list[int]:
         return sorted(self._ranks)
 
-    def add_rank(self, rank: int, now: float) -> None:
-        """A rank is ready (again, after replacing its engine: its counts carry on)."""
+    def add_rank(self, rank: int, now: float, away: bool = False) -> None:
+        """A rank is ready (again, after replacing its engine or a spell in the trainer: its
+        counts carry on). `away`: it joins rollout but is not in service yet (as if quarantined:
+        not checked for silence until `rejoined`)."""
         if rank in self._ranks:
             self._ranks[rank].last_seen = now
         else:
-            self._ranks[rank] = _Rank(last_seen=now)
+            self._ranks[rank] = _Rank(last_seen=now, quarantined_since=now if away else None)
 
     def remove_rank(self, rank: int) -> None:
         self._ranks.pop(rank, None)

@@ -21,6 +21,14 @@ A rollout rank is quarantined when it sends nothing for `scheduler.heartbeat_tim
 The run stops (with the silent rank's message) only when fewer than
 `scheduler.min_rollout_ranks` ranks are left in service.
 
+ERS moves ranks between rollout and the trainer along the same path, planned instead of
+forced (`kind`): a rank leaving for the trainer is taken out as in step 1 (its tasks are
+re-dispatched to the other ranks, where they start afresh; their tokens are wasted, not
+failed) and, once drained, stays out while it trains ("trainer"); a trainer rank that joins
+rollout (again, or for the first time) is "returning": it receives the weights at the very
+sync of its move, without first being heard from (its engine may still be starting; the send
+waits for its receive), and enters service as in step 4.
+
 Owned by the rollout service thread, which calls everything here (nothing is locked or
 threaded); the service keeps the retries and the stop rule, this class the rest.
 A weight send (`weight_sync.Send`) is kept until its receiver confirms it: its buffer must
@@ -59,6 +67,9 @@ class OutOfService:
     """It answered `CancelAll`: it holds no task any more."""
     rejoin_version: Optional[int] = None
     """The weights sent for its rejoin, until it confirms them (or fails to in time)."""
+    kind: str = "quarantine"
+    """Why it is out: "quarantine" (silent or unconfirming), "trainer" (ERS moved it to the
+    trainer; it does not rejoin until moved back) or "returning" (ERS moved it to rollout)."""
 
 
 class Quarantine:
@@ -69,34 +80,70 @@ class Quarantine:
         self.weight_sender = weight_sender  # weight_sync.WeightSender
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.out: dict[int, OutOfService] = {}
-        self.counts = {"quarantines": 0, "rejoins": 0}
+        self.counts = {"quarantines": 0, "rejoins": 0, "moves_out": 0, "moves_in": 0}
         self._epochs = 0
         self._sends: dict[tuple[int, int], Any] = {}  # (rank, version) -> its unconfirmed Send
         self._deadlines: dict[tuple[int, int], float] = {}  # sends still bounded (rank not out)
         self._awaiting: dict[int, set[int]] = {}  # version -> receivers a sync mode step waits for
 
     # -- the steps (side effects on the placement, health, ledger and mailbox) ----------------
-    def take_out(self, rank: int, reason: str, now: float) -> tuple[list[str], int]:
+    def take_out(self, rank: int, reason: str, now: float, kind: str = "quarantine") -> tuple[list[str], int]:
         """Step 1: returns the ids of the tasks taken back (each failed there: the caller
-        retries it or gives its group up) and the tokens booked for them as failed."""
+        retries it or gives its group up; moved to the trainer, `kind="trainer"`: each is
+        re-dispatched) and the tokens booked for them as failed (cancelled for a move)."""
         task_ids = self.placement.drop_rank(rank)
         written_off = self.health.quarantine(rank, now)
-        self.ledger.book_attempt(written_off, fate="failed")
-        self.mailbox.post(rank, CancelAll(self.put_out(rank, reason, now, len(task_ids)), reason))
+        self.ledger.book_attempt(written_off, fate="failed" if kind == "quarantine" else "cancelled")
+        self.mailbox.post(rank, CancelAll(self.put_out(rank, reason, now, len(task_ids), kind), reason))
         return task_ids, written_off
+
+    def return_to_rollout(self, rank: int, now: float) -> None:
+        """ERS moved trainer rank `rank` to rollout: it receives the next weights (module docstring)."""
+        q = self.out.get(rank)
+        if q is not None and q.kind != "trainer":
+            raise ValueError(f"rank {rank} is out of rollout service as {q.kind!r}, not in the trainer")
+        if q is None:
+            if rank in self.ranks:
+                raise ValueError(f"rank {rank} is a rollout rank in service already")
+            self._epochs += 1
+            q = self.out[rank] = OutOfService(rank, "joins rollout", now, self._epochs, drained=True)
+            self.health.add_rank(rank, now, away=True)
+        if rank not in self.ranks:
+            self.ranks = sorted(self.ranks + [rank])
+        q.kind, q.since = "returning", now
+
+    def in_trainer(self, rank: int) -> bool:
+        """Moved to the trainer, and drained: it holds no rollout task any more."""
+        q = self.out.get(rank)
+        return q is not None and q.kind == "trainer" and q.drained
+
+    @property
+    def serving(self) -> list[int]:
+        """The rollout ranks in service now."""
+        return self.in_service(self.ranks)
+
+    @property
+    def rollout_side(self) -> list[int]:
+        """Ranks that are rollout ranks now: in service, quarantined or returning (not moved to
+        the trainer)."""
+        return [r for r in self.ranks if r not in self.out or self.out[r].kind != "trainer"]
 
     def handles(self, msg, now: float) -> bool:
         """Steps 2 and 4, and weight confirmations: True when `msg` was taken care of here."""
         if isinstance(msg, WeightsLoaded):
+            kind = self.out[msg.src].kind if msg.src in self.out else None
             if self.loaded(msg.src, msg.version):
                 self.placement.add_rank(msg.src)
                 self.health.rejoined(msg.src)
                 self.health.seen(msg.src, now)
-                logger.warning("rollout rank %d rejoined with the weights of version %d; tasks are dispatched to "
-                               "it again", msg.src, msg.version)
+                if kind == "returning":
+                    logger.info("rank %d joined rollout with the weights of version %d", msg.src, msg.version)
+                else:
+                    logger.warning("rollout rank %d rejoined with the weights of version %d; tasks are dispatched "
+                                   "to it again", msg.src, msg.version)
             return True
         if isinstance(msg, AllCancelled):
-            if self.drained(msg.src, msg.epoch):
+            if self.drained(msg.src, msg.epoch) and self.out[msg.src].kind == "quarantine":
                 logger.info("quarantined rollout rank %d holds no task any more; it rejoins at the next weight "
                             "sync", msg.src)
             return True
@@ -135,13 +182,13 @@ class Quarantine:
     def in_service(self, ranks: Iterable[int]) -> list[int]:
         return [r for r in ranks if r not in self.out]
 
-    def put_out(self, rank: int, reason: str, now: float, tasks_moved: int = 0) -> int:
+    def put_out(self, rank: int, reason: str, now: float, tasks_moved: int = 0, kind: str = "quarantine") -> int:
         """Take `rank` out of service; returns the epoch for its `CancelAll`."""
         if rank in self.out:
-            raise ValueError(f"rollout rank {rank} is quarantined already")
+            raise ValueError(f"rollout rank {rank} is out of service already ({self.out[rank].kind})")
         self._epochs += 1
-        self.out[rank] = OutOfService(rank, reason, now, self._epochs, tasks_moved)
-        self.counts["quarantines"] += 1
+        self.out[rank] = OutOfService(rank, reason, now, self._epochs, tasks_moved, kind=kind)
+        self.counts["quarantines" if kind == "quarantine" else "moves_out"] += 1
         self._forget_rank(rank)
         return self._epochs
 
@@ -154,10 +201,10 @@ class Quarantine:
         return True
 
     def receivers(self, ranks: Iterable[int], heard_from: Callable[[int], bool]) -> list[int]:
-        """Who gets the next weights: the ranks in service, and quarantined ones ready to
-        rejoin (drained, heard from lately, no rejoin under way)."""
-        back = [r for r, q in sorted(self.out.items())
-                if q.drained and q.rejoin_version is None and heard_from(r)]
+        """Who gets the next weights: the ranks in service, quarantined ones ready to rejoin
+        (drained, heard from lately, no rejoin under way), and ranks returning from the trainer."""
+        back = [r for r, q in sorted(self.out.items()) if q.drained and q.rejoin_version is None
+                and (q.kind == "returning" or (q.kind == "quarantine" and heard_from(r)))]
         return sorted(set(self.in_service(ranks)) | set(back))
 
     # -- weight sends -----------------------------------------------------------------------
@@ -182,7 +229,7 @@ class Quarantine:
         if q is None or q.rejoin_version != version:
             return False
         del self.out[rank]
-        self.counts["rejoins"] += 1
+        self.counts["moves_in" if q.kind == "returning" else "rejoins"] += 1
         return True
 
     def overdue_sends(self, now: float) -> list[tuple[int, int]]:

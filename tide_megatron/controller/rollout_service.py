@@ -17,7 +17,12 @@ open step's micro-batch source is failed at once, so a trainer blocked on it sto
 A silent rank, or one that does not confirm its weights in time, is quarantined rather than
 ending the run, and rejoins at a later weight sync once it is heard from again: the steps are
 in `quarantine.py`, the bookkeeping here and there; the weights go out from this thread too
-(`send_weights`), to the ranks in service and those rejoining only.
+(`send_weights`), to the ranks in service and those rejoining only. ERS's moves of ranks
+between rollout and the trainer take the same path (`move_to_trainer`, `return_to_rollout`).
+
+It also measures what ERS reads of the rollout side over each step (`ers_window`): the tokens
+of training groups that became ready, of evaluation trajectories, the time the staleness
+window's admission slots were full, and the CTB ranks' KV use.
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ class RolloutService(threading.Thread):
                  weight_sender=None, weight_sync_timeout_s: float = 300.0, min_rollout_ranks: int = 1):
         super().__init__(name="rollout-service", daemon=True)
         self.mailbox, self.buffer, self.placement, self.mode, self.health = mailbox, buffer, placement, mode, health
-        self.rollout_ranks = list(rollout_ranks)
+        self._startup_ranks = list(rollout_ranks)
+        self._all_started = False  # every start-up rank has reported its engine
         self.tasks = tasks
         self.group_size, self.groups_per_step, self.max_staleness = group_size, groups_per_step, max_staleness
         self.max_task_retries, self.max_failed_groups = max_task_retries, max_failed_groups
@@ -96,7 +102,15 @@ class RolloutService(threading.Thread):
         self._consumption = ConsumptionMeter(window_steps=4)
         self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
         self._step_started: Optional[float] = None
+        self._window = {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_sum": 0.0, "kv_n": 0}
+        self._full_since: Optional[float] = None
+        self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
         placement.on_group_started = self._on_group_started
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        """The ranks that are rollout ranks now (in service, quarantined, or joining)."""
+        return self.quarantine.rollout_side
 
     # ------------------------------------------------------------------ main-thread API
     def call(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
@@ -235,6 +249,8 @@ class RolloutService(threading.Thread):
         self._attempts.pop(tid, None)
         done = self.buffer.add_trajectory(traj, now, consumer_version=self.version)
         self.evals.record(traj)
+        if done is not None:
+            self._window["eval_tokens" if done.is_eval else "fresh_tokens"] += done.total_tokens
         if not self.buffer.is_pending(traj.group_id):  # completed (ready, dropped or evaluated)
             self._end_group(traj.group_id)
             if done is not None and not done.is_eval:
@@ -289,10 +305,63 @@ class RolloutService(threading.Thread):
             retried += self._retry_or_give_up(members[int(index)], f"rank {rank} quarantined", rank, now)
         logger.warning("quarantined rollout rank %d: %s; %d task(s) taken back (%d retried on other ranks, "
                        "%d tokens booked as failed)", rank, reason, len(task_ids), retried, written_off)
-        left = self.quarantine.in_service(self.rollout_ranks)
+        left = self.quarantine.serving
         if len(left) < self.min_rollout_ranks:
             raise RunError(f"{reason}; {len(left)} rollout rank(s) left in service, fewer than "
                            f"scheduler.min_rollout_ranks={self.min_rollout_ranks}")
+
+    # ------------------------------------------------------------------ ERS moves
+    def move_to_trainer(self, rank: int, reason: str) -> int:
+        """ERS moves rollout rank `rank` to the trainer: it takes no new task, its tasks start
+        afresh on the other ranks (no retry is charged; their tokens are wasted), and it is told
+        to drop them (`CancelAll`); `in_trainer(rank)` once it has. Returns the tasks moved."""
+        now = time.monotonic()
+        if rank not in self.quarantine.serving:
+            raise ValueError(f"rank {rank} is not a rollout rank in service")
+        task_ids, written_off = self.quarantine.take_out(rank, reason, now, kind="trainer")
+        moved = 0
+        for tid in task_ids:
+            gid, index = tid.rsplit("/", 1)
+            members = self._live.get(gid)
+            if members is None:  # its group ended meanwhile
+                continue
+            a = members[int(index)]
+            self.placement.retry(TaskAssignment(a.task, a.group_id, a.index, a.is_eval, self._attempts.get(tid, 0)))
+            moved += 1
+        self.counters["tasks_moved"] += moved
+        logger.info("rank %d leaves rollout for the trainer (%s): %d task(s) re-dispatched, %d tokens wasted",
+                    rank, reason, moved, written_off)
+        return moved
+
+    def in_trainer(self, rank: int) -> bool:
+        return self.quarantine.in_trainer(rank)
+
+    def return_to_rollout(self, rank: int) -> None:
+        """ERS moves trainer rank `rank` to rollout: it receives the next weights (its engine
+        may still be starting) and takes tasks once it has loaded them."""
+        self.quarantine.return_to_rollout(rank, time.monotonic())
+        logger.info("rank %d joins rollout; tasks go to it once it has loaded the next weights", rank)
+
+    def ers_window(self) -> dict[str, float]:
+        """What ERS reads of rollout since the last call (then reset): tokens of training groups
+        that became ready and of evaluation trajectories, seconds the admission slots were full,
+        and the mean KV use of the CTB ranks in service (0 without CTB)."""
+        self._note_slots(time.monotonic(), self._full_since is not None)
+        w, self._window = self._window, {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_sum": 0.0,
+                                         "kv_n": 0}
+        return {"fresh_tokens": w["fresh_tokens"], "eval_tokens": w["eval_tokens"], "slots_full_s": w["slots_full_s"],
+                "kv_used_fraction": w["kv_sum"] / w["kv_n"] if w["kv_n"] else 0.0}
+
+    def _note_slots(self, now: float, full: bool) -> None:
+        if self._full_since is not None:
+            self._window["slots_full_s"] += now - self._full_since
+        self._full_since = now if full else None
+        usage = getattr(self.placement, "kv_usage", None)
+        if usage is not None:
+            used = usage(self.quarantine.serving)
+            if used is not None:
+                self._window["kv_sum"] += used
+                self._window["kv_n"] += 1
 
     def send_weights(self, manifest, flat) -> list[int]:
         """Send packed weights to the ranks in service and those ready to rejoin; returns them.
@@ -333,14 +402,19 @@ class RolloutService(threading.Thread):
         self._requested_groups += n
 
     def _start_groups(self) -> None:
-        if len(self.engines) < len(self.rollout_ranks):
-            return  # every rank's engine first: the staleness clock starts with rollout
+        if not self._all_started:
+            if any(r not in self.engines for r in self._startup_ranks):
+                return  # every rank's engine first: the staleness clock starts with rollout
+            self._all_started = True
         if self.mode.continuous_rollout:
             # Admission bounds staleness: a group started now must be consumable before the
             # step that trains version+max_staleness+1 ends; groups ahead of it take the slots.
             cap = (self.max_staleness + 1) * self.groups_per_step - self._step_consumed_groups
             while self._live_training_groups() < cap:
                 self._start_group()
+            # full: no room for one more group, and every group started is admitted on a rank
+            # (so nothing but the throttle holds the next one back)
+            self._note_slots(time.monotonic(), full=not self._unadmitted)
         else:
             while self._requested_groups > 0:
                 self._requested_groups -= 1
@@ -358,16 +432,20 @@ class RolloutService(threading.Thread):
         members = [TaskAssignment(task, gid, i, is_eval) for i in range(self.group_size)]
         self._live[gid] = members
         self.buffer.open_group(gid, task["task_id"], time.monotonic(), is_eval=is_eval)
+        if not is_eval:
+            self._unadmitted.add(gid)
         self.placement.submit(members, front=is_eval)
         self.counters["groups_started"] += 1
         return gid
 
     def _on_group_started(self, gid: str) -> None:
         """The placement sent the group's first task to a rank: it is admitted under this version."""
+        self._unadmitted.discard(gid)
         if self.buffer.is_pending(gid) and not self._live[gid][0].is_eval:
             self.buffer.note_admitted(gid, self.version)
 
     def _end_group(self, gid: str) -> None:
+        self._unadmitted.discard(gid)
         self._live.pop(gid, None)
         self.placement.forget_group(gid)
 

@@ -108,7 +108,7 @@ def _send(rank: int, version: int) -> Send:
 def test_the_steps_out_and_back():
     q = Quarantine([1, 2, 3])
     epoch = q.put_out(2, "silent", now=5.0, tasks_moved=3)
-    assert q.in_service([1, 2, 3]) == [1, 3] and q.counts == {"quarantines": 1, "rejoins": 0}
+    assert q.in_service([1, 2, 3]) == [1, 3] and q.counts == {"quarantines": 1, "rejoins": 0, "moves_out": 0, "moves_in": 0}
     # out, not drained: no weights for it, even when it is heard from
     assert q.receivers([1, 2, 3], heard_from=lambda r: True) == [1, 3]
     assert not q.drained(2, epoch + 1)  # an answer to another quarantine

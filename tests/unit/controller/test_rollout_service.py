@@ -299,7 +299,7 @@ def test_a_silent_rank_is_quarantined_its_tasks_run_elsewhere_and_it_rejoins(sto
         ranks[2].frozen.set()
         batch, _, _ = wait_batch(svc)
         assert batch.num_trajectories == 2 * G  # its group ran again on rank 1
-        assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 0, "out_of_service": 1}
+        assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 0, "moves_out": 0, "moves_in": 0, "out_of_service": 1}
         assert svc.call(lambda: svc.counters["retries"]) == G
         assert svc.call(svc.ledger_snapshot)["failed"] == G * 5  # written off at once: it may never come back
         assert svc.call(lambda: svc.send_weights(_Manifest, None)) == [1]  # left out of the sync
@@ -320,11 +320,72 @@ def test_a_silent_rank_is_quarantined_its_tasks_run_elsewhere_and_it_rejoins(sto
         # its late cancellations were covered by the write-off: nothing booked twice, nothing lost
         assert led["lost"] == 0 and led["failed"] == G * 5 and led["cancelled"] == 0
         assert led["generated"] == ranks[1].generated + ranks[2].generated
-        assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 1, "out_of_service": 0}
+        assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 1, "moves_out": 0, "moves_in": 0, "out_of_service": 0}
     finally:
         svc.stop()
         for r in ranks.values():
             r.stop.set()
+
+
+def test_ers_moves_a_loaded_rank_to_the_trainer_and_back_and_a_new_rank_in_losing_no_task(store):
+    """A move under load: rank 2's resident tasks start afresh on rank 1 (no retry charged,
+    their tokens wasted, nothing lost); while it trains it is neither sent weights nor expected
+    to beat; moved back, it gets the next weights before it is heard from and takes tasks once
+    it has loaded them. Rank 3 joins rollout for the first time the same way."""
+    ranks = {1: FakeRank(store, 1, delay_s=0.05), 2: FakeRank(store, 2, delay_s=100.0),
+             3: FakeRank(store, 3, delay_s=0.05)}
+    for r in (1, 2):
+        ranks[r].start()
+    svc = make_service(store, mode="sync", heartbeat_timeout_s=0.5, ranks=(1, 2), retries=0)
+    try:
+        _until("both ranks", lambda: svc.call(lambda: len(svc.engines)) == 2)
+        svc.call(lambda: svc.request_groups(2))  # a group on each rank
+        _until("rank 2's tasks", lambda: len(ranks[2].running) == 2)
+        time.sleep(0.2)  # a heartbeat shows them running
+        assert svc.call(lambda: svc.move_to_trainer(2, "ERS: the trainer needs a rank")) == G
+        _until("the drain", lambda: svc.call(lambda: svc.in_trainer(2)))
+        ranks[2].beat = False  # a trainer rank sends no heartbeat; it must not be quarantined for it
+        batch, _, _ = wait_batch(svc)
+        assert batch.num_trajectories == 2 * G  # its group ran afresh on rank 1
+        assert svc.call(lambda: (svc.counters["retries"], svc.counters["tasks_moved"])) == (0, G)
+        assert svc.call(lambda: svc.rollout_ranks) == [1]
+        assert svc.call(lambda: svc.send_weights(_Manifest, None)) == [1]
+        time.sleep(0.7)  # past the heartbeat timeout
+        assert svc.call(svc.quarantine_counts)["quarantines"] == 0
+
+        svc.call(lambda: svc.return_to_rollout(2))
+        svc.call(lambda: svc.return_to_rollout(3))
+        # both get the weights at once: rank 3 has not even started (its send waits for it)
+        assert svc.call(lambda: svc.send_weights(type("M", (), {"version": 2}), None)) == [1, 2, 3]
+        ranks[2].beat, ranks[2].delay_s = True, 0.05
+        ranks[3].start()
+        _until("both in service", lambda: svc.call(svc.quarantine_counts)["moves_in"] == 2)
+        assert svc.call(lambda: svc.rollout_ranks) == [1, 2, 3]
+        svc.call(lambda: svc.close_step())
+        before = {r: sum(isinstance(m, RunTask) for m in ranks[r].seen) for r in (2, 3)}
+        svc.call(lambda: svc.request_groups(3))
+        wait_batch(svc)
+        time.sleep(0.3)  # the last heartbeats
+        assert all(sum(isinstance(m, RunTask) for m in ranks[r].seen) > before[r] for r in (2, 3))
+        led = svc.call(svc.ledger_snapshot)
+        # the moved tasks' tokens were written off as cancelled once; nothing lost or failed
+        assert led["lost"] == 0 and led["failed"] == 0 and led["cancelled"] == G * 5
+        assert led["generated"] == sum(r.generated for r in ranks.values())
+        assert svc.call(svc.quarantine_counts) == {"quarantines": 0, "rejoins": 0, "moves_out": 1, "moves_in": 2,
+                                                   "out_of_service": 0}
+    finally:
+        svc.stop()
+        for r in ranks.values():
+            r.stop.set()
+
+
+def test_a_move_needs_a_rank_in_service(store):
+    svc = make_service(store, ranks=(1,))
+    try:
+        with pytest.raises(ValueError, match="rank 5 is not a rollout rank in service"):
+            svc.call(lambda: svc.move_to_trainer(5, "ERS"))
+    finally:
+        svc.stop()
 
 
 def test_the_run_stops_when_no_rollout_rank_is_left(store):
