@@ -241,13 +241,21 @@ class ERSJobConfig:
     """Elastic Resource Scaling in the real system (`controller/trainer_roles.py`)."""
 
     enabled: bool = False
-    """After each actor update, core's ERS re-plans the trainer-side ranks (the actor and
-    reference ranks of the start-up split): colocated over all of them, or decoupled with the
-    highest ones as reference ranks; rank 0 moves them before the weight sync. The
-    rollout/trainer split itself is held in this version. False: the start-up roles all run."""
+    """After each actor update, core's ERS plans the next step's roles and rank 0 moves the
+    ranks before the weight sync: ranks between rollout and the trainer (`move_ranks`), and the
+    trainer's RA2P layout (colocated over every trainer rank, or decoupled with the highest
+    ones as reference ranks). False: the start-up roles all run."""
+    move_ranks: bool = True
+    """ERS may move ranks between rollout and the trainer (one per step; the trainer stays a
+    prefix of the ranks; with trainer.tp_size > 1 the split is held, a move would take a whole
+    TP block). False: only the trainer's layout changes."""
     drill_every: int = 0
-    """A drill, not a policy: every this many steps switch to the other trainer layout whatever
-    the measurements say, to exercise role changes under load (tests, soaks). 0: off."""
+    """A drill, not a policy: every this many steps move to the next configuration of `drill`
+    whatever the measurements say, to exercise role changes under load (tests, soaks). 0: off."""
+    drill: str = "layout"
+    """What the drill cycles through. "layout": the trainer's two layouts (colocated,
+    decoupled). "split": the lowest rollout rank joins the trainer as an actor (colocated),
+    becomes its reference rank (decoupled), then returns to rollout."""
 
 
 @dataclass
@@ -317,6 +325,12 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError(f"ers.enabled / ers.drill_every need scheduler.mode=tide, got {cfg.scheduler.mode}")
     if cfg.ers.drill_every and not cfg.ers.enabled:
         raise ValueError("ers.drill_every needs ers.enabled=true")
+    if cfg.ers.drill not in ("layout", "split"):
+        raise ValueError(f"ers.drill={cfg.ers.drill!r}: expected 'layout' or 'split'")
+    if cfg.ers.drill_every and cfg.ers.drill == "split" and (not cfg.ers.move_ranks or cfg.trainer.tp_size != 1
+                                                            or cfg.cluster.rollout_ranks < 2):
+        raise ValueError("ers.drill=split moves a rollout rank into the trainer: it needs ers.move_ranks=true, "
+                         "trainer.tp_size=1 and cluster.rollout_ranks >= 2")
     if not 1 <= cfg.scheduler.min_rollout_ranks <= cfg.cluster.rollout_ranks:
         raise ValueError(f"scheduler.min_rollout_ranks={cfg.scheduler.min_rollout_ranks}: expected 1 to "
                          f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} (below it the run stops)")

@@ -149,10 +149,10 @@ class Job:
 
     # -- roles ----------------------------------------------------------------------
     def run(self) -> None:
-        if self.topo.trains or self.topo.rank in self.topo.ref_ranks:
-            self._run_trainer()
+        if self.topo.is_controller:
+            self._run_controller()
         else:
-            self._run_rollout()
+            self._run_rank()
 
     def _client_config(self):
         return dataclasses.replace(self.cfg.envs.client, host=self.env_host, port=self.env_port)
@@ -169,8 +169,8 @@ class Job:
             raise RuntimeError(f"env {self.cfg.envs.train_env!r} offers no {split} tasks")
         return [t.to_json() for t in tasks]
 
-    def _run_trainer(self) -> None:
-        """An actor or reference rank of the start-up configuration (`trainer.worker`)."""
+    def _trainer_worker(self):
+        """This rank's trainer side (`trainer.worker`): it holds nothing while the rank rolls out."""
         from tide_megatron.controller.modes import mode_policy
         from tide_megatron.trainer.worker import TrainerWorker
 
@@ -179,11 +179,33 @@ class Job:
         trainer = TrainerWorker.at_startup(
             self.topo, self.cfg.trainer, self.model_path, self.checkpoint_root,
             colocated=mode.colocated_config(self.cfg.ra2p.cost_model.aggregation_limit))
-        run = self.cfg.run
         start_step = trainer.load(self.resume_path) if self.resume_path and self.topo.trains else 0
-        if not self.topo.is_controller:
-            trainer.serve(self.mailbox)
-            return
+        return trainer, start_step
+
+    def _run_rank(self) -> None:
+        """A rank other than 0 serves the trainer or rolls out, as its role says, and switches
+        when ERS moves it (at a post-update boundary, told by rank 0): the "roles" message that
+        ends its rollout loop is the first its trainer side handles, and a "roles" message that
+        makes it ROLLOUT ends the trainer's. Its SGLang engine starts when it first rolls out."""
+        from tide_megatron.core.roles import Role
+
+        trainer, _ = self._trainer_worker()
+        rollout = None
+        pending = None
+        while True:
+            if trainer.role is Role.ROLLOUT:
+                rollout = rollout or self._start_rollout()
+                pending = rollout.run()
+                if pending is None:  # Stop
+                    return
+            if trainer.serve(self.mailbox, pending) is None:  # Stop
+                return
+            pending = None
+
+    def _run_controller(self) -> None:
+        """Rank 0: an actor that also runs the controller."""
+        trainer, start_step = self._trainer_worker()
+        run = self.cfg.run
         from tide_megatron.controller.loop import Controller
         from tide_megatron.utils.metrics import MetricsLogger
 
@@ -224,7 +246,9 @@ class Job:
         for note in run_state.restore(controller, run_state.RunState.from_json(self._resume.run_state)):
             say(note)
 
-    def _run_rollout(self) -> None:
+    def _start_rollout(self):
+        """This rank's rollout worker: an SGLang engine and an env connection, kept for the run
+        (a rank moved to the trainer and back reuses them)."""
         from tide_megatron.envs.client import EnvClient
         from tide_megatron.rollout.engine import RolloutEngine
         from tide_megatron.rollout.worker import RolloutWorker, build_chat
@@ -241,12 +265,9 @@ class Job:
                                self.topo.job_group, heartbeat_interval_s=cfg.scheduler.heartbeat_interval_s,
                                engine_factory=new_engine)
         self._closers.append(worker)  # shuts down whichever engine the worker runs at the end
-        engine = worker.engine
-        engine.loop.run_until_complete(client.connect())
-        try:
-            worker.run()
-        finally:
-            engine.loop.run_until_complete(client.close())
+        worker.engine.loop.run_until_complete(client.connect())
+        self._closers.append(_EnvConnection(worker, client))  # closed first (closers run in reverse)
+        return worker
 
     # -- shutdown -------------------------------------------------------------------
     def close(self) -> None:
@@ -258,6 +279,16 @@ class Job:
         if self._env_server is not None:
             self._env_server.stop()
         close_topology(self.topo)
+
+
+class _EnvConnection:
+    """Closes a rollout worker's env connection on its engine's event loop."""
+
+    def __init__(self, worker, client):
+        self.worker, self.client = worker, client
+
+    def close(self) -> None:
+        self.worker.engine.loop.run_until_complete(self.client.close())
 
 
 def resolve_resume(run, checkpoint_root: str):

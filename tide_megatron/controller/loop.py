@@ -108,7 +108,9 @@ class Controller:
         self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
                                      health=self.rollout.check)
         self.trainer_rank = trainer
-        self.roles = TrainerRoles(cfg.ers, topo, mailbox, trainer, cfg.ra2p.cost_model, self.trainer.take)
+        self.roles = TrainerRoles(cfg.ers, topo, mailbox, trainer, cfg.ra2p.cost_model, self.trainer.take,
+                                  rollout=self.rollout, min_rollout_ranks=sched.min_rollout_ranks)
+        self._ers_since = time.perf_counter()  # the window ERS's next plan reads
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
         self.unstopped: list[str] = []
         """Rollout ranks that did not answer `Stop` in time, one line each (see the docstring)."""
@@ -151,7 +153,7 @@ class Controller:
     def _await_stopped(self) -> None:
         """Wait (bounded) for every rollout rank's `Stopped`; name each that stays silent."""
         # the rollout thread has ended: this thread reads the mailbox now
-        waiting = not_stopped(self.mailbox, self.topo.rollout_ranks, STOP_GRACE_S + STOPPED_MARGIN_S)
+        waiting = not_stopped(self.mailbox, self.rollout.rollout_ranks, STOP_GRACE_S + STOPPED_MARGIN_S)
         now, wall = time.monotonic(), time.time()
         for rank in waiting:
             last = self.rollout.health.last_seen(rank) if rank in self.rollout.health.ranks else self._run_started
@@ -190,7 +192,7 @@ class Controller:
         self.step += 1
         t_sync = time.perf_counter()
         # ERS plans after the update and before the weight sync (roles change on its boundary).
-        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, t0, twt, train_s),
+        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, twt, train_s),
                                       self.trainer.selector.cost_inputs()[0]) if self.roles.enabled else {}
         eval_wait_s = self._finish_eval()
         # The weights go out before admission resumes under the new version: a rank reads its
@@ -204,18 +206,21 @@ class Controller:
                       twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
                       checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra=ers)
 
-    def _ers_measurements(self, outcome, t0: float, twt: float, train_s: float) -> ERSMeasurements:
-        """The window since the step began, as ERS reads it. Only the RA2P layout is decided
-        from it in this version (the rollout/trainer split is held, `trainer_roles.py`), so the
-        rollout side's throttling, KV and decode signals are not measured here."""
-        est = self.rollout.call(self.rollout.buffer.estimate)
+    def _ers_measurements(self, outcome, twt: float, train_s: float) -> ERSMeasurements:
+        """The window since the previous plan, as ERS reads it. Not measured on this stack: the
+        decode iteration times (ERS then reads decode as unslowed, so it grows rollout for a
+        starved trainer from the rates, never from batching)."""
+        est, window, serving = self.rollout.call(lambda: (self.rollout.buffer.estimate(), self.rollout.ers_window(),
+                                                          len(self.rollout.quarantine.serving)))
         tokens = sum(t.total_tokens for g in outcome.consumed for t in g.trajectories)
-        starved = twt + outcome.arrival_wait_s
+        now = time.perf_counter()
+        window_s, self._ers_since = max(1e-9, now - self._ers_since), now
         return ERSMeasurements(
-            window_s=max(1e-9, time.perf_counter() - t0), trainer_ranks=len(self.roles.ranks),
-            trainer_busy_s=max(0.0, train_s - outcome.arrival_wait_s), trainer_starved_s=starved,
-            trained_tokens=tokens, rollout_ranks=len(self.topo.rollout_ranks), fresh_tokens=tokens,
-            eval_tokens=0, slots_full_s=0.0, kv_used_fraction=0.0, ras_tokens=est.ras_tokens,
+            window_s=window_s, trainer_ranks=len(self.roles.ranks),
+            trainer_busy_s=max(0.0, train_s - outcome.arrival_wait_s), trainer_starved_s=twt + outcome.arrival_wait_s,
+            trained_tokens=tokens, rollout_ranks=serving, fresh_tokens=int(window["fresh_tokens"]),
+            eval_tokens=int(window["eval_tokens"]), slots_full_s=min(window["slots_full_s"], window_s),
+            kv_used_fraction=window["kv_used_fraction"], ras_tokens=est.ras_tokens,
             arrival_tokens_per_s=est.arrival_tokens_per_s)
 
     def _tprm_estimate(self) -> Optional[float]:
@@ -249,7 +254,7 @@ class Controller:
         if not ((interval and self.step % interval == 0) or self._last_step_done()):
             return 0.0
         t0 = time.perf_counter()
-        for rank in self.topo.trainer_ranks[1:]:
+        for rank in self.trainer_rank.assignment.actor_ranks[1:]:  # the actors now (ERS may have moved them)
             self.mailbox.post(rank, "save")
         state = run_state.capture(self).to_json()  # saved with the weights, before `latest` moves
         self.metrics.write(f"checkpoint: {self.trainer_rank.save(run_state=state)}")

@@ -43,9 +43,7 @@ class StepLog:
         """The first dispatch: the run's wall clock starts here (engine start-up excluded)."""
         self._run_start = time.monotonic()
         self.metrics.mark_run_start()
-        topo = self.trainer.topo
-        self.timeline.start_run({**{r: Role.ROLLOUT.value for r in topo.rollout_ranks},
-                                 **self._trainer_roles(None)})
+        self.timeline.start_run(self._trainer_roles(None))
 
     def end_run(self) -> None:
         snapshot = self.rollout.call(self.rollout.ledger_snapshot)
@@ -62,8 +60,12 @@ class StepLog:
                                                 f"RA2P mode and staleness per step; data in timeline.json)")
 
     def _trainer_roles(self, mode, assignment=None) -> dict[int, str]:
+        """Every rank's role: the trainer side's per `assignment`, rollout for the others (ERS
+        moves ranks between the two)."""
         a = assignment or self.trainer.assignment
-        return trainer_side_roles(list(a.actor_ranks), list(a.ref_ranks), mode, self.trainer.worker.needs_ref)
+        roles = {r: Role.ROLLOUT.value for r in range(self.trainer.topo.world_size)}
+        roles.update(trainer_side_roles(list(a.actor_ranks), list(a.ref_ranks), mode, self.trainer.worker.needs_ref))
+        return roles
 
     def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
              train_s: float, sync_s: float, checkpoint_s: float, step_s: float,
@@ -134,7 +136,8 @@ class StepLog:
         self.timeline.step(TimelineStep(
             step=step, start=end - step_s, end=end, twt_s=record["twt_s"], rwt_s=record["rwt_s"],
             ra2p_mode=outcome.mode.value, staleness_mean=record["staleness/mean"],
-            staleness_max=record["staleness/max"], rollout_ranks=len(topo.rollout_ranks),
+            staleness_max=record["staleness/max"],
+            rollout_ranks=topo.world_size - len(set(outcome.assignment.actor_ranks) | set(outcome.assignment.ref_ranks)),
             trainer_ranks=len(outcome.assignment.actor_ranks),
             ref_ranks=len(outcome.assignment.ref_ranks) if decoupled else 0),
             self._trainer_roles(outcome.mode, outcome.assignment), checkpointed=checkpoint_s > 0)

@@ -1,23 +1,36 @@
-"""ERS on the trainer side, carried out by rank 0 at the post-update boundary.
+"""ERS in the real system: rank 0 plans the next step's roles at the post-update boundary and
+moves the ranks to them before the weight sync.
 
-After each actor update and before the weight sync, rank 0 asks core's `ERSController` for the
-next role plan and RA2P layout and, when it differs from the current one, moves the
-trainer-side ranks (the start-up actor and reference ranks, a prefix of the job in TP blocks)
-to it: every rank gets the new `TrainerAssignment` ("roles", `trainer.step_feed.post_roles`),
-rank 0 applies it itself (`TrainerWorker.apply`), and the others answer "roles_done" with the
-seconds each part took. A colocated plan makes every trainer-side rank an actor holding the
-reference (DP = all of them); a decoupled plan makes the highest ones dedicated reference ranks
-(whole TP blocks) and the rest actors. A joining actor receives the weights and optimizer state
-from a current one over the new DP group; a leaving actor drops its state (its DP peers hold the
-same); references are parked in host memory. No process group is created (`comm/groups.py`).
+After each actor update rank 0 asks core's `ERSController` for the next role plan (the
+rollout/trainer split and the RA2P layout) and, when it differs from the one in force, carries
+it out:
 
-What this version does not move: ranks between rollout and the trainer. The plan is made with
-`max_moves_per_step=0` (the split is held), so ERS decides the RA2P layout of the trainer ranks
-it has; moving a rollout rank needs its SGLang engine to release and resume its memory, which
-the controller does not do yet.
+1. A rank leaving rollout for the trainer stops taking tasks: the rollout service takes its
+   tasks back and re-dispatches them to the other ranks, where they start afresh (no KV moves;
+   their tokens so far are wasted, nothing is lost), and the rank drops them (`CancelAll`).
+   Rank 0 waits for its `AllCancelled` (a turn in flight ends first); this drain is the move's
+   share of the critical path on the rollout side.
+2. Every rank whose trainer role changes gets the new `TrainerAssignment` ("roles",
+   `trainer.step_feed.post_roles`); rank 0 applies it itself (`TrainerWorker.apply`), the
+   others answer "roles_done" with the seconds each part took. A joining actor receives the
+   weights and optimizer state from a current one over the new DP group; a leaving actor drops
+   its state (its DP peers hold the same); a reference is built from the initial checkpoint or
+   restored from host memory, and parked when released. No process group is created
+   (`comm/groups.py`).
+3. A rank leaving the trainer for rollout is named to the rollout service before the sync: it
+   is one of the sync's receivers whether or not its engine is up yet (the send waits for its
+   receive), and takes tasks once it has loaded those weights. Its engine starts the first time
+   it rolls out (on CPU that takes a while; it overlaps the next step, since the other rollout
+   ranks go on), and releases and resumes its memory where SGLang can.
 
-`ers.drill_every=N` alternates between the two layouts every N steps whatever the measurements
-say: a drill that exercises role changes under load in tests and soaks, not a policy.
+The plan keeps the trainer a prefix of the ranks (`ERSConfig.reclaim="lowest"`): actor DP
+groups are the first TP blocks, reference ranks the highest trainer ranks. The split moves one
+rank per step, and only with `trainer.tp_size=1` (`ers.move_ranks`); with TP > 1 ERS decides
+the trainer's layout only.
+
+`ers.drill_every=N` moves to the next configuration of `ers.drill` every N steps whatever the
+measurements say: a drill that exercises role changes under load in tests and soaks, not a
+policy.
 """
 
 from __future__ import annotations
@@ -37,33 +50,44 @@ from tide_megatron.trainer.worker import TrainerWorker
 logger = logging.getLogger(__name__)
 
 ROLES_TIMEOUT_S = 600.0
-"""How long rank 0 waits for every trainer-side rank to finish a role change (state transfers
-of a large model included)."""
+"""How long rank 0 waits for every affected rank to finish a role change (state transfers of
+a large model included), and for a rank leaving rollout to drop its tasks."""
 
 
 class TrainerRoles:
-    """Rank 0's owner of the trainer-side role plan (the controller thread only)."""
+    """Rank 0's owner of the role plan (the controller thread only)."""
 
     def __init__(self, ers_cfg, topo: Topology, mailbox: Mailbox, worker: TrainerWorker, ra2p_cfg,
-                 take):
+                 take, rollout=None, min_rollout_ranks: int = 1):
         """`ers_cfg`: `config.ERSJobConfig`; `take(kind, count, timeout_s)`: the trainer
-        driver's reply collector."""
+        driver's reply collector; `rollout`: the rollout service (None: the split is held)."""
         self.cfg = ers_cfg
-        self.topo, self.mailbox, self.worker, self._take = topo, mailbox, worker, take
-        self.ranks = sorted(topo.trainer_ranks + topo.ref_ranks)
+        self.topo, self.mailbox, self.worker, self._take, self.rollout = topo, mailbox, worker, take, rollout
+        self.world = topo.world_size
         self.tp = worker.registry.layout.tp_size
-        self.ers = ERSController(ERSConfig(enabled=ers_cfg.enabled, max_moves_per_step=0),
-                                 topo.world_size, ra2p_cfg)
+        self.moves_split = bool(ers_cfg.move_ranks and self.tp == 1 and rollout is not None)
+        self.ers = ERSController(ERSConfig(enabled=ers_cfg.enabled, max_moves_per_step=1 if self.moves_split else 0,
+                                           reclaim="lowest", min_rollout_ranks=min_rollout_ranks,
+                                           min_trainer_ranks=self.tp),
+                                 self.world, ra2p_cfg)
+        self._startup = worker.assignment
         self.plan = self._plan_of(worker.assignment)
         self.changes = 0
+        self.moves = 0
+
+    @property
+    def ranks(self) -> list[int]:
+        """The trainer-side ranks now (actors and reference ranks)."""
+        a = self.worker.assignment
+        return sorted(set(a.actor_ranks) | set(a.ref_ranks))
 
     @property
     def enabled(self) -> bool:
-        return self.cfg.enabled and len(self.ranks) >= 2
+        return self.cfg.enabled and (len(self.ranks) >= 2 or self.moves_split)
 
     # -- plan <-> assignment ------------------------------------------------------------------
     def _plan_of(self, a: TrainerAssignment) -> RolePlan:
-        roles = {r: Role.ROLLOUT for r in range(self.topo.world_size)}
+        roles = {r: Role.ROLLOUT for r in range(self.world)}
         decoupled = not a.actors_hold_ref
         for r in a.actor_ranks:
             roles[r] = Role.ACTOR if decoupled else Role.ACTOR_REF
@@ -74,51 +98,83 @@ class TrainerRoles:
         return RolePlan(roles, RA2PMode.DECOUPLED if decoupled else RA2PMode.COLOCATED, step=-1)
 
     def _assignment_of(self, plan: RolePlan) -> Optional[TrainerAssignment]:
-        """The assignment of `plan` on the trainer-side prefix, or None when it does not fit
-        whole TP blocks."""
+        """The assignment of `plan`, or None when its trainer is not a prefix of whole TP blocks."""
         layout = self.worker.registry.layout
-        refs = [r for r in self.ranks if plan.roles[r] is Role.REF]
+        trainer = plan.trainer_ranks
+        refs = [r for r in trainer if plan.roles[r] is Role.REF]
         refs = refs[len(refs) % self.tp:]  # whole TP blocks, the highest ranks
-        actors = [r for r in self.ranks if r not in refs]
-        if not actors or len(actors) % self.tp:
+        actors = [r for r in trainer if r not in refs]
+        if not actors or len(actors) % self.tp or actors != list(range(len(actors))):
             return None
         return TrainerAssignment(layout, len(actors) // self.tp, tuple(refs), actors_hold_ref=not refs)
 
     def _drill_plan(self, step: int) -> RolePlan:
-        decoupled = self.plan.mode is RA2PMode.COLOCATED  # the other layout
-        roles = dict(self.plan.roles)
-        n_ref = self.tp if decoupled else 0
-        for i, r in enumerate(self.ranks):
-            roles[r] = (Role.REF if i >= len(self.ranks) - n_ref else Role.ACTOR) if decoupled else Role.ACTOR_REF
+        roles = {r: Role.ROLLOUT for r in range(self.world)}
+        base = sorted(set(self._startup.actor_ranks) | set(self._startup.ref_ranks))
+        if self.cfg.drill == "split":
+            # the start-up trainer, then the next rank joins as an actor, then serves as the
+            # reference (with a reference model), then returns to rollout
+            phases = 3 if self.worker.needs_ref else 2
+            phase = (step // self.cfg.drill_every) % phases
+            extra = base[-1] + 1
+            trainer = base + [extra] if phase else base
+            decoupled = phase == 2
+            for r in trainer:
+                roles[r] = (Role.REF if r == extra else Role.ACTOR) if decoupled else Role.ACTOR_REF
+            what = ["start-up split", f"rank {extra} joins the actors", f"rank {extra} is the reference"][phase]
+        else:
+            decoupled = self.plan.mode is RA2PMode.COLOCATED  # the other layout
+            trainer = self.plan.trainer_ranks
+            n_ref = self.tp if decoupled else 0
+            for i, r in enumerate(trainer):
+                roles[r] = (Role.REF if i >= len(trainer) - n_ref else Role.ACTOR) if decoupled else Role.ACTOR_REF
+            what = "the other layout"
         return RolePlan(roles, RA2PMode.DECOUPLED if decoupled else RA2PMode.COLOCATED,
-                        reason=f"drill every {self.cfg.drill_every} steps", step=step, changed=True)
+                        reason=f"drill every {self.cfg.drill_every} steps: {what}", step=step, changed=True)
 
     # -- the boundary ---------------------------------------------------------------------------
     def after_update(self, step: int, m: ERSMeasurements, times) -> dict[str, float]:
-        """Plan the next step's trainer roles and move to them; returns metrics for the step."""
+        """Plan the next step's roles and move to them; returns metrics for the step."""
         if not self.enabled:
             return {}
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step)
         new = self._assignment_of(plan)
-        out = {"ers/trainer_ranks_ref": float(len(self.worker.assignment.ref_ranks)),
-               "ers/changes": float(self.changes)}
-        if new is None or new == self.worker.assignment:
+        old = self.worker.assignment
+        out = {"ers/trainer_ranks": float(len(self.ranks)), "ers/trainer_ranks_ref": float(len(old.ref_ranks)),
+               "ers/changes": float(self.changes), "ers/moves": float(self.moves)}
+        if new is None or new == old:
             self.plan = plan if new is not None else self.plan
             return out
+        before, after = set(self.ranks), set(new.actor_ranks) | set(new.ref_ranks)
+        joining, leaving = sorted(after - before), sorted(before - after)
+        if joining and not self.rollout.call(lambda: all(r in self.rollout.quarantine.serving for r in joining)):
+            logger.warning("step %d: ERS planned ranks %s into the trainer, but not all are rollout ranks in service "
+                           "(quarantined?); the roles stay as they are", step, joining)
+            return out
         started = time.perf_counter()
-        post_roles(self.mailbox, new, self.ranks)
+        for r in joining:
+            self.rollout.call(lambda r=r: self.rollout.move_to_trainer(r, plan.reason))
+        if joining:
+            self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: all(self.rollout.in_trainer(r)
+                                                                                for r in joining)),
+                              ROLES_TIMEOUT_S, f"rank(s) {joining} to drop their rollout tasks")
+        drain_s = time.perf_counter() - started
+        affected = sorted(before | after)
+        post_roles(self.mailbox, new, affected)
+        for r in leaving:  # before the sync: they receive its weights
+            self.rollout.call(lambda r=r: self.rollout.return_to_rollout(r))
         mine = self.worker.apply(new)
-        replies = self._take("roles_done", len(self.ranks) - 1, timeout_s=ROLES_TIMEOUT_S)
+        replies = self._take("roles_done", len(affected) - 1, timeout_s=ROLES_TIMEOUT_S)
         critical = time.perf_counter() - started
         self.plan = plan
         self.changes += 1
-        logger.info("step %d: trainer roles -> %d actor DP rank(s), reference ranks %s (%s); %.2f s",
-                    step, new.dp_size, list(new.ref_ranks) or "none (actors hold it)", plan.reason, critical)
+        self.moves += len(joining) + len(leaving)
+        logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",
+                    step, new.dp_size, list(new.ref_ranks) or "none (actors hold it)",
+                    [r for r in range(self.world) if r not in after], plan.reason, critical)
         slowest = max([mine.get("total_s", 0.0)] + [r["times"].get("total_s", 0.0) for r in replies])
-        return {**out, "ers/changes": float(self.changes), "ers/trainer_ranks_ref": float(len(new.ref_ranks)),
-                "ers/role_change_s": critical, "ers/role_change_slowest_rank_s": slowest}
-
-    def roles(self) -> dict[int, str]:
-        """Every trainer-side rank's current role, for the timeline."""
-        return {r: self.worker.assignment.role_of(r).value for r in self.ranks}
+        return {**out, "ers/changes": float(self.changes), "ers/moves": float(self.moves),
+                "ers/trainer_ranks": float(len(after)), "ers/trainer_ranks_ref": float(len(new.ref_ranks)),
+                "ers/role_change_s": critical, "ers/role_change_drain_s": drain_s,
+                "ers/role_change_slowest_rank_s": slowest}

@@ -375,6 +375,27 @@ class RolloutEngine:
     async def flush_cache(self) -> bool:
         return (await self._unless_dead(self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S))).success
 
+    # -- a spell in the trainer (ERS) -------------------------------------------------
+    @property
+    def can_release_memory(self) -> bool:
+        """SGLang frees and restores weights and KV only with its memory saver (GPU only:
+        `rollout.engine.extra_args.enable_memory_saver=true`, with `torch_memory_saver`)."""
+        return bool(getattr(self._engine.server_args, "enable_memory_saver", False))
+
+    def release_memory(self) -> bool:
+        """Free the engine's GPU memory while the rank trains; False when it cannot (see
+        `can_release_memory`: the engine then stays resident and idle)."""
+        if not self.can_release_memory:
+            logger.info("rollout engine stays resident while this rank trains (no SGLang memory saver%s)",
+                        " on CPU" if self.cfg.device == "cpu" else "")
+            return False
+        self._engine.release_memory_occupation()
+        return True
+
+    def resume_memory(self) -> None:
+        """Restore what `release_memory` freed (the weights are reloaded by the next sync)."""
+        self._engine.resume_memory_occupation()
+
     def shutdown(self) -> None:
         import multiprocessing
 

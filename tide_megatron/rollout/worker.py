@@ -22,6 +22,13 @@ every task stops as on `CancelTask`; once none is left the rank answers `AllCanc
 rank 0 sends it weights again at its next sync. On `Stop` it answers `Stopped` after its last
 heartbeat, so rank 0 knows it ended (see `controller/loop.py`).
 
+ERS may move the rank to the trainer: rank 0 takes its tasks back with `CancelAll` (they start
+afresh elsewhere) and, once it answered `AllCancelled`, posts it the trainer's "roles"
+message. `run` then returns that message and whatever the same read brought after it (the
+trainer's first commands), for `TrainerWorker.serve`; the engine releases its memory where
+SGLang can (`RolloutEngine.release_memory`). Moved back, the same worker `run`s again: the
+engine resumes its memory and reports ready, and loads the weights rank 0 sent for its return.
+
 If the engine dies (its scheduler subprocess crashed or was killed), the rank survives: its
 running tasks are reported failed (rank 0 retries them), a new engine starts, the last weights
 it received are loaded into it, and the rank reports ready again.
@@ -123,11 +130,23 @@ class RolloutWorker:
         self._env_steps = 0
         self._cancel_all_epoch: Optional[int] = None
         """A `CancelAll` whose tasks are still ending (answered once none is left)."""
+        self._handoff: Optional[list] = None
+        """The trainer's "roles" message and what followed it: this rank leaves rollout."""
+        self._away = False  # the engine's memory is released while the rank trains
 
-    def run(self) -> None:
-        self._started = time.monotonic()
+    def run(self) -> Optional[list]:
+        """Roll out until `Stop` (returns None) or until rank 0 moves this rank to the trainer
+        (returns the "roles" message and the messages read after it, in order)."""
+        if self._away:
+            self.engine.resume_memory()
+            self._away = False
+        self._handoff = None
         while self.engine.loop.run_until_complete(self._main()) == "engine died":
             self._restart_engine()
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            self._away = self.engine.release_memory()
+        return handoff
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -140,8 +159,15 @@ class RolloutWorker:
                                                         "use_sessions": cfg.use_sessions,
                                                         "restarts": self.engine_restarts}, pid=os.getpid()))
         next_beat = 0.0
-        while not self._stopping and not self.engine.died:
-            for msg in self.mailbox.poll():
+        while not self._stopping and not self.engine.died and self._handoff is None:
+            msgs = self.mailbox.poll()
+            for i, msg in enumerate(msgs):
+                if isinstance(msg, dict) and msg.get("kind") == "roles":
+                    if self._tasks:  # rank 0 posts it only after this rank's AllCancelled
+                        raise RuntimeError(f"rollout rank {self.rank}: moved to the trainer with "
+                                           f"{len(self._tasks)} task(s) still running")
+                    self._handoff = msgs[i:]
+                    break
                 await self._handle(msg)
                 if self.engine.died:
                     break
@@ -169,6 +195,9 @@ class RolloutWorker:
         self._heartbeat()
         if self._stopping:
             self.mailbox.post(CONTROLLER, Stopped())
+        if self._handoff is not None:
+            logger.info("rollout rank %d: leaves rollout for the trainer", self.rank)
+            return "to the trainer"
         return "engine died" if self.engine.died and not self._stopping else "stopped"
 
     def _restart_engine(self) -> None:

@@ -315,12 +315,14 @@ class TrainerWorker:
 
     # ---- the message loop of ranks other than 0 -------------------------------------------
 
-    def serve(self, mailbox: Mailbox) -> Role | None:
+    def serve(self, mailbox: Mailbox, pending: list | None = None) -> Role | None:
         """Run the controller's commands until told to stop (returns None) or until a "roles"
-        message makes this rank ROLLOUT (returns Role.ROLLOUT, the mailbox read no further)."""
+        message makes this rank ROLLOUT (returns Role.ROLLOUT, the mailbox read no further).
+        `pending`: messages read already, handled first (a rollout rank joining the trainer
+        hands over the "roles" message and what came with it)."""
         stop = threading.Event()
         self._resume.set()
-        reader = threading.Thread(target=self._read_mailbox, args=(mailbox, stop), daemon=True,
+        reader = threading.Thread(target=self._read_mailbox, args=(mailbox, stop, list(pending or ())), daemon=True,
                                   name=f"trainer-mailbox-{self.rank}")
         reader.start()
         try:
@@ -362,39 +364,45 @@ class TrainerWorker:
             raise ValueError(f"trainer rank {self.rank}: unknown message kind {kind!r}")
         return "continue"
 
-    def _read_mailbox(self, mailbox: Mailbox, stop: threading.Event) -> None:
+    def _read_mailbox(self, mailbox: Mailbox, stop: threading.Event, pending: list) -> None:
         """Micro-batches go straight into the running step's sources; everything else to the
-        main thread, in order. After "roles" or "stop" the reader waits until the main thread has
-        acted on it: if the rank leaves the trainer, what follows is the rollout loop's to read."""
-        pad = self.cfg.pad_to_multiple_of
+        main thread, in order (`pending` first). After "roles" or "stop" the reader waits until
+        the main thread has acted on it: if the rank leaves the trainer, what follows is the
+        rollout loop's to read."""
         while not stop.is_set():
             self._resume.wait()
             if stop.is_set():
                 return
+            if pending:
+                self._route(pending.pop(0))
+                continue
             msgs = mailbox.poll(limit=1)
             if not msgs:
                 time.sleep(POLL_INTERVAL_S)
                 continue
-            for msg in msgs:
-                if isinstance(msg, Stop):
-                    self._resume.clear()
-                    self._commands.put(msg)
-                    continue
-                kind = msg["kind"]
-                if kind == "step":
-                    self._sources = {0: self.begin_step(int(msg["num_micro_batches"]))}
-                    self._commands.put({**msg, "source": self._sources[0]})
-                elif kind == "mb":
-                    self._sources[0].put(micro_batch_of(msg["trajectories"], pad, self.images))
-                elif kind == "ref_step":
-                    counts = msg["num_micro_batches"]
-                    counts = {0: counts} if isinstance(counts, int) else {int(k): int(v) for k, v in counts.items()}
-                    self._sources = self.begin_ref_step(counts)
-                    self._commands.put({**msg, "sources": self._sources})
-                elif kind == "ref_mb":
-                    self._sources[int(msg.get("dp", 0))].put(micro_batch_of(msg["trajectories"], pad, self.images))
-                else:
-                    if kind == "roles":
-                        self._resume.clear()
-                    self._commands.put(msg)
+            self._route(msgs[0])
+
+    def _route(self, msg: "dict[str, Any] | Stop") -> None:
+        pad = self.cfg.pad_to_multiple_of
+        if isinstance(msg, Stop):
+            self._resume.clear()
+            self._commands.put(msg)
+            return
+        kind = msg["kind"]
+        if kind == "step":
+            self._sources = {0: self.begin_step(int(msg["num_micro_batches"]))}
+            self._commands.put({**msg, "source": self._sources[0]})
+        elif kind == "mb":
+            self._sources[0].put(micro_batch_of(msg["trajectories"], pad, self.images))
+        elif kind == "ref_step":
+            counts = msg["num_micro_batches"]
+            counts = {0: counts} if isinstance(counts, int) else {int(k): int(v) for k, v in counts.items()}
+            self._sources = self.begin_ref_step(counts)
+            self._commands.put({**msg, "sources": self._sources})
+        elif kind == "ref_mb":
+            self._sources[int(msg.get("dp", 0))].put(micro_batch_of(msg["trajectories"], pad, self.images))
+        else:
+            if kind == "roles":
+                self._resume.clear()
+            self._commands.put(msg)
 
