@@ -111,6 +111,32 @@ def test_trainer_roles_change_every_step_under_load(tmp_path):
     assert [span["role"] for span in timeline["ranks"]["2"]] == ["ref", "idle", "ref", "actor_ref", "ref", "actor_ref"]
 
 
+SLOW_ENV = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.latency.step_median_s=0.5",
+            "envs.server.envs.0.latency.step_sigma=0.3", "envs.server.envs.0.latency.reset_median_s=0.1"]
+
+
+def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
+    """ERS's split drill on 3 ranks with a slow env (tasks are resident when a move comes):
+    rank 1 leaves rollout and joins the actors (DP=2), serves as the reference (decoupled),
+    returns to rollout, and joins the actors again. Its tasks start afresh on rank 2; nothing is
+    lost, every step trains its groups within the staleness bound."""
+    rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=2", "ers.enabled=true",
+                 "ers.drill=split", "ers.drill_every=1", "run.steps=4", *SLOW_ENV)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["groups"] == 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0
+    assert [r["ers/moves"] for r in rows] == [1, 1, 2, 3]
+    # The roles in force during step k are those the boundary after step k-1 chose.
+    assert [r["trainer/dp_size"] for r in rows[1:]] == [2, 1, 1]
+    assert rows[2]["ra2p/mode"] == "decoupled"
+    last = rows[-1]
+    assert last["rollout/tasks_moved"] >= 1  # a move under load
+    assert last["rollout/moves_out"] == 2 and last["rollout/moves_in"] == 1 and last["rollout/quarantines"] == 0
+    assert last.get("rollout/retries", 0) == 0  # a moved task is re-dispatched, not retried
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    assert [span["role"] for span in timeline["ranks"]["1"]] == ["rollout", "actor_ref", "ref", "rollout", "actor_ref"]
+
+
 def test_tide_trains_a_tensor_parallel_actor(tmp_path):
     """TP=2 actor (ranks 0, 1): both TP ranks join each step and each weight gather."""
     rows = train(tmp_path, 4, "scheduler.mode=tide", "cluster.rollout_ranks=2", "trainer.tp_size=2", "run.steps=3")

@@ -107,3 +107,85 @@ def test_bad_drill_is_refused(bad):
     cfg.ers.enabled, cfg.ers.drill_every = True, bad
     with pytest.raises(ValueError, match="ers.drill_every"):
         validate(cfg, 4)
+
+
+class FakeRollout:
+    """The rollout service calls TrainerRoles makes, in order, into `events`."""
+
+    def __init__(self, serving, events):
+        self.quarantine = SimpleNamespace(serving=list(serving))
+        self.events = events
+        self.moved: set[int] = set()
+
+    def call(self, fn, timeout_s=600.0):
+        return fn()
+
+    def submit(self, fn, when=None):
+        return (fn, when)
+
+    def wait(self, fut, timeout_s, what):
+        fn, when = fut
+        assert when is None or when(), f"would wait for {what}"
+        return fn()
+
+    def move_to_trainer(self, rank, reason):
+        self.events.append(("move_to_trainer", rank))
+        self.quarantine.serving.remove(rank)
+        self.moved.add(rank)
+        return 0
+
+    def in_trainer(self, rank):
+        return rank in self.moved
+
+    def return_to_rollout(self, rank):
+        self.events.append(("return_to_rollout", rank))
+        self.moved.discard(rank)
+        self.quarantine.serving.append(rank)
+
+
+def test_the_split_drill_moves_the_next_rank_in_and_back_draining_it_first():
+    """Rank 1 leaves rollout (its tasks taken back and dropped before it is told its trainer
+    role), joins the actors (DP=2), serves as the reference, then returns to rollout (named to
+    the rollout service before the sync)."""
+    layout = GroupLayout(4, 1)
+    topo = SimpleNamespace(trainer_ranks=[0], ref_ranks=[], rollout_ranks=[1, 2, 3], world_size=4)
+    worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0], []))
+    worker.needs_ref = True
+    events: list = []
+    mailbox = FakeMailbox()
+    mailbox.post = lambda dest, kind, **payload: events.append((kind, dest))
+    rollout = FakeRollout([1, 2, 3], events)
+    roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=1, drill="split"), topo, mailbox, worker,
+                         RA2PConfig(), take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count,
+                         rollout=rollout)
+    assert roles.enabled and roles.moves_split
+    times = MicroBatchTimes(0.05, 0.05, 0.1)
+    first = roles.after_update(1, window(), times)
+    assert events == [("move_to_trainer", 1), ("roles", 1)]
+    assert worker.assignment == TrainerAssignment(layout, 2, (), actors_hold_ref=True)
+    assert first["ers/moves"] == 1 and first["ers/trainer_ranks"] == 2
+    events.clear()
+    roles.after_update(2, window(), times)
+    assert events == [("roles", 1)] and worker.assignment == TrainerAssignment(layout, 1, (1,), actors_hold_ref=False)
+    events.clear()
+    third = roles.after_update(3, window(), times)
+    assert events == [("roles", 1), ("return_to_rollout", 1)]
+    assert worker.assignment == TrainerAssignment(layout, 1, (), actors_hold_ref=True)
+    assert third["ers/moves"] == 2 and third["ers/changes"] == 3 and roles.ranks == [0]
+
+
+def test_a_planned_join_of_a_quarantined_rank_holds_the_roles():
+    layout = GroupLayout(3, 1)
+    topo = SimpleNamespace(trainer_ranks=[0], ref_ranks=[], rollout_ranks=[1, 2], world_size=3)
+    worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0], []))
+    worker.needs_ref = True
+    rollout = FakeRollout([2], [])  # rank 1 is quarantined
+    roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=1, drill="split"), topo, FakeMailbox(), worker,
+                         RA2PConfig(), take=lambda kind, count, timeout_s: [], rollout=rollout)
+    out = roles.after_update(1, window(), MicroBatchTimes(0.05, 0.05, 0.1))
+    assert out["ers/moves"] == 0 and worker.applied == [] and rollout.events == []
+
+
+def test_with_tensor_parallel_actors_the_split_is_held():
+    roles, _, _ = make(world=6, tp=2, trainers=2, refs=2)
+    assert not roles.moves_split and roles.ers.config.max_moves_per_step == 0
