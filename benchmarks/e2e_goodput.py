@@ -61,14 +61,14 @@ def splits(mode: str, ranks: int) -> list[dict[str, int]]:
 
 
 def configs(modes: list[str], ranks: int, ers: bool) -> list[dict]:
-    """Every mode at every split; with `ers`, tide also with ERS re-planning the trainer side
-    (at splits with at least two trainer-side ranks: one rank has nothing to re-plan)."""
+    """Every mode at every split; with `ers`, tide also with ERS on, starting from every split
+    (ERS moves ranks between rollout and the trainer and re-plans the trainer's layout)."""
     out = []
     for mode in modes:
         for split in splits(mode, ranks):
             label = mode if len(splits(mode, ranks)) == 1 else f"{mode}[r{split['rollout']}f{split['ref']}]"
             out.append({"label": label, "mode": mode, "ers": False, **split})
-            if ers and mode == "tide" and split["actors"] + split["ref"] >= 2:
+            if ers and mode == "tide":
                 out.append({"label": label.replace("tide", "tide+ers", 1), "mode": mode, "ers": True, **split})
     return out
 
@@ -115,6 +115,9 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
         "ra2p_modes": [r["ra2p/mode"] for r in rows],
         "dp_size_by_step": [r["trainer/dp_size"] for r in rows],
         "role_changes": int(rows[-1].get("ers/changes", 0)),
+        "rank_moves": int(rows[-1].get("ers/moves", 0)),
+        "trainer_ranks_by_step": [int(r["ers/trainer_ranks"]) for r in rows if "ers/trainer_ranks" in r],
+        "tasks_moved": int(last.get("rollout/tasks_moved", 0)),
         "role_change_s": sum(r.get("ers/role_change_s", 0.0) for r in rows),
         "process_wall_s": round(wall, 1),
     }
@@ -155,6 +158,8 @@ def main() -> int:
                 run_dir = tmp / f"rep{rep}_{cfg['label'].replace('[', '_').replace(']', '')}"  # Hydra-safe
                 result = run_one(cfg, args, run_dir, args.seed + rep)
                 result["rep"], result["seed"] = rep, args.seed + rep
+                if cfg["ers"] and (run_dir / "timeline.png").is_file():
+                    result["timeline_png"] = (run_dir / "timeline.png").read_bytes()
                 runs.append(result)
                 status = "FAILED" if result["failed"] else f"{result['run_goodput_tok_s']:.1f} tok/s"
                 print(f"rep {rep} {cfg['label']:<22} {status}", flush=True)
@@ -162,6 +167,7 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     ok = [r for r in runs if not r["failed"]]
+    timelines = {id(r): r.pop("timeline_png") for r in runs if "timeline_png" in r}
     labels = [c["label"] for c in cfgs]
     summary = {}
     for label in labels:
@@ -171,7 +177,7 @@ def main() -> int:
             continue
         summary[label] = {k: statistics.fmean(r[k] for r in mine) for k in
                           ("run_goodput_tok_s", "mean_step_goodput_tok_s", "rwt_plus_twt_s", "wasted_share",
-                           "prefix_cache_hit_rate")}
+                           "prefix_cache_hit_rate", "rank_moves", "role_changes")}
         summary[label]["runs"] = len(mine)
         summary[label]["failed_runs"] = len([r for r in runs if r["label"] == label]) - len(mine)
     # Ratios within each repetition (same machine load), then their geometric mean.
@@ -221,14 +227,15 @@ def main() -> int:
                                                          "geomean": round(geomean(waits), 3), "goal": "<= 0.3",
                                                          "met": geomean(waits) <= 0.3}
 
-    print(f"\n{'config':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}{'wasted':>8}{'hit':>7}")
+    print(f"\n{'config':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}{'wasted':>8}{'hit':>7}{'moves':>7}")
     for label in labels:
         s = summary[label]
         if "run_goodput_tok_s" not in s:
             print(f"{label:<22}{'failed':>10}")
             continue
         print(f"{label:<22}{s['run_goodput_tok_s']:>10.1f}{s['mean_step_goodput_tok_s']:>11.1f}"
-              f"{s['rwt_plus_twt_s']:>10.1f}{s['wasted_share']:>8.3f}{s['prefix_cache_hit_rate']:>7.3f}")
+              f"{s['rwt_plus_twt_s']:>10.1f}{s['wasted_share']:>8.3f}{s['prefix_cache_hit_rate']:>7.3f}"
+              f"{s['rank_moves']:>7.1f}")
     for name, r in ratios.items():
         print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}; goal {r['goal']}x)")
 
@@ -246,6 +253,12 @@ def main() -> int:
         "runs": runs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    ers_runs = [r for r in ok if r["ers"] and id(r) in timelines]
+    if ers_runs:  # the best ERS run's timeline, beside the JSON: what ERS did, at a glance
+        best = max(ers_runs, key=lambda r: r["run_goodput_tok_s"])
+        png = Path(args.out).with_name(Path(args.out).stem + "_timeline.png")
+        png.write_bytes(timelines[id(best)])
+        record["timeline_png"] = {"file": png.name, "run": best["label"], "rep": best["rep"]}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if ok else 1
