@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.005
 
 
+def _empty_window() -> dict[str, float]:
+    return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_sum": 0.0, "kv_n": 0}
+
+
 class RunError(RuntimeError):
     """The run cannot go on; the message says why."""
 
@@ -102,7 +106,7 @@ class RolloutService(threading.Thread):
         self._consumption = ConsumptionMeter(window_steps=4)
         self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
         self._step_started: Optional[float] = None
-        self._window = {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_sum": 0.0, "kv_n": 0}
+        self._window = _empty_window()
         self._full_since: Optional[float] = None
         self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
         placement.on_group_started = self._on_group_started
@@ -347,8 +351,7 @@ class RolloutService(threading.Thread):
         that became ready and of evaluation trajectories, seconds the admission slots were full,
         and the mean KV use of the CTB ranks in service (0 without CTB)."""
         self._note_slots(time.monotonic(), self._full_since is not None)
-        w, self._window = self._window, {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_sum": 0.0,
-                                         "kv_n": 0}
+        w, self._window = self._window, _empty_window()
         return {"fresh_tokens": w["fresh_tokens"], "eval_tokens": w["eval_tokens"], "slots_full_s": w["slots_full_s"],
                 "kv_used_fraction": w["kv_sum"] / w["kv_n"] if w["kv_n"] else 0.0}
 
