@@ -3,7 +3,8 @@
 Rank 0 prepares what every rank needs (the env server, the model checkpoint, the output
 directory) and publishes it through the job's store; the other ranks wait for it. Then
 each rank takes its role: rank 0 runs the controller and trains, other trainer ranks
-serve the controller's commands, rollout ranks run an SGLang engine and their tasks.
+serve the controller's commands, rollout ranks run an SGLang engine and their tasks; a rank
+that ERS moves switches between the last two at a step boundary.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ One step, whatever the mode:
   1. rollout: sync starts the step's groups now; the other modes keep rollout running;
   2. data: wait for the whole global batch, or (streaming) for the first ready group;
   3. train: the executor runs; in streaming modes later groups join as they complete;
-  4. version += 1 (the controller is the one owner of the weight version): doomed groups are
+  4. version += 1 (the controller is the one owner of the weight version); with ERS on, the
+     ranks move to the next step's roles (`trainer_roles.py`); doomed groups are
      cancelled, the running evaluation is gathered, weights go point to point to every rollout
      rank in service and to quarantined ones ready to rejoin (sync waits until each has loaded
      them or was quarantined; the others go on), the next evaluation starts;

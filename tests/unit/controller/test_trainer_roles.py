@@ -1,6 +1,6 @@
-"""Trainer-side ERS: role plans <-> trainer assignments on the job's prefix of TP blocks, and the
-drill's alternation; the role change itself is exercised end to end in
-tests/integration/e2e/test_every_mode.py."""
+"""ERS at rank 0: role plans <-> trainer assignments on the job's prefix of TP blocks, the
+drills, and the order of a move between rollout and the trainer (against a fake rollout
+service); the role changes themselves run end to end in tests/integration/e2e/test_every_mode.py."""
 
 from __future__ import annotations
 
