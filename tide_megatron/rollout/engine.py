@@ -57,6 +57,10 @@ class RolloutEngineConfig:
     """Tensor parallelism inside one engine."""
     use_sessions: bool = True
     """One streaming session per task, so a waiting task keeps its prefix pinned."""
+    sleep_on_idle: bool | None = None
+    """An idle SGLang scheduler waits on its sockets instead of polling them. None: on with
+    `device=cpu`, where a polling scheduler takes a core from the processes that work (2 rollout
+    ranks on a 2-core machine: `benchmarks/sleep_on_idle.py`)."""
     log_level: str = "error"
     """SGLang's log level."""
     seed: int = 0
@@ -85,6 +89,8 @@ class RolloutEngineConfig:
             kwargs["mem_fraction_static"] = self.mem_fraction_static
         if self.device == "cpu":
             kwargs["disable_cuda_graph"] = True
+        if self.sleep_on_idle if self.sleep_on_idle is not None else self.device == "cpu":
+            kwargs["sleep_on_idle"] = True
         kwargs.update(self.extra_args)
         return kwargs
 

@@ -26,3 +26,15 @@ def test_a_users_own_rendezvous_is_left_alone(monkeypatch):
     assert not _wants_file_rendezvous({**kwargs, "nnodes": 2})
     monkeypatch.setenv(DIST_INIT_OVERRIDE_ENV, "env://")
     assert not _wants_file_rendezvous(kwargs)
+
+
+def test_an_idle_scheduler_sleeps_on_cpu_unless_told_otherwise():
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs
+
+    assert "sleep_on_idle" in inspect.signature(ServerArgs).parameters  # drift: the pinned SGLang has it
+    assert RolloutEngineConfig().engine_kwargs("/m")["sleep_on_idle"] is True
+    assert "sleep_on_idle" not in RolloutEngineConfig(device="cuda").engine_kwargs("/m")
+    assert "sleep_on_idle" not in RolloutEngineConfig(sleep_on_idle=False).engine_kwargs("/m")
+    assert RolloutEngineConfig(device="cuda", sleep_on_idle=True).engine_kwargs("/m")["sleep_on_idle"] is True

@@ -1,0 +1,95 @@
+"""Does an idle SGLang scheduler that polls its sockets slow a CPU run down?
+
+tide mode on the real stack (the e2e goodput benchmark's runner, recipe and long-tailed env
+latency), one split, with `rollout.engine.sleep_on_idle` on and off, in alternating order,
+repeated; ratios are taken within each repetition. On a machine with fewer cores than
+processes a polling scheduler takes a core from the ranks that work whenever its rank waits
+(for the env, or for the trainer between steps).
+
+    python benchmarks/sleep_on_idle.py                      # 4 ranks, 2 rollout, 6 steps, 2 repetitions
+    python benchmarks/sleep_on_idle.py --rollout-ranks 1 --reps 3
+
+Prints a table and writes benchmarks/results/sleep_on_idle_cpu.json (command, machine, date, figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_goodput import LATENCY, REPO, geomean, run_one  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--rollout-ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sleep_on_idle_cpu.json"))
+    args = parser.parse_args()
+    args.recipe, args.groups_per_step = "tiny_cpu", 4
+    split = {"rollout": args.rollout_ranks, "ref": 0, "actors": args.ranks - args.rollout_ranks}
+    variants = [("sleep_on_idle=true", "rollout.engine.sleep_on_idle=true"),
+                ("sleep_on_idle=false", "rollout.engine.sleep_on_idle=false")]
+    runs = []
+    tmp = Path(tempfile.mkdtemp(prefix="sleep_on_idle_"))
+    try:
+        for rep in range(args.reps):
+            for label, override in (variants if rep % 2 == 0 else list(reversed(variants))):
+                args.overrides = [override]
+                cfg = {"label": label, "mode": "tide", "ers": False, **split}
+                result = run_one(cfg, args, tmp / f"rep{rep}_{label.replace('=', '_')}", args.seed + rep)
+                result["rep"] = rep
+                runs.append(result)
+                print(f"rep {rep} {label:<20} " + ("FAILED" if result["failed"] else
+                                                   f"{result['run_goodput_tok_s']:.1f} tok/s"), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ok = [r for r in runs if not r["failed"]]
+    summary = {label: {k: statistics.fmean(r[k] for r in ok if r["label"] == label)
+                       for k in ("run_goodput_tok_s", "mean_step_goodput_tok_s", "rwt_plus_twt_s")}
+               for label, _ in variants if any(r["label"] == label for r in ok)}
+    ratios = []
+    for rep in range(args.reps):
+        on = [r for r in ok if r["rep"] == rep and r["label"] == variants[0][0]]
+        off = [r for r in ok if r["rep"] == rep and r["label"] == variants[1][0]]
+        if on and off:
+            ratios.append(on[0]["run_goodput_tok_s"] / off[0]["run_goodput_tok_s"])
+    print(f"\n{'variant':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}")
+    for label, s in summary.items():
+        print(f"{label:<22}{s['run_goodput_tok_s']:>10.1f}{s['mean_step_goodput_tok_s']:>11.1f}{s['rwt_plus_twt_s']:>10.1f}")
+    if ratios:
+        print(f"run goodput, on / off: {geomean(ratios):.3f}x (per repetition {[round(x, 3) for x in ratios]})")
+    record = {
+        "benchmark": "sleep_on_idle",
+        "command": " ".join(["python", "benchmarks/sleep_on_idle.py", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "load_avg_1_5_15": os.getloadavg(), "device": "cpu"},
+        "config": {"ranks": args.ranks, "split": split, "steps": args.steps, "reps": args.reps, "seed": args.seed,
+                   "latency_overrides": LATENCY},
+        "summary": summary,
+        "run_goodput_ratio_on_over_off": {"per_rep": [round(x, 3) for x in ratios],
+                                          "geomean": round(geomean(ratios), 3) if ratios else None},
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if len(ok) == len(runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
