@@ -249,6 +249,12 @@ class ERSJobConfig:
     """ERS may move ranks between rollout and the trainer (one per step; the trainer stays a
     prefix of the ranks; with trainer.tp_size > 1 the split is held, a move would take a whole
     TP block). False: only the trainer's layout changes."""
+    standby_engines: bool = True
+    """With `move_ranks`, every rank ERS may move into rollout (the trainer ranks but rank 0)
+    starts its SGLang engine at start-up, so a move into rollout costs a weight load, not an
+    engine start (on CPU a start takes tens of seconds of both cores). On GPU this needs SGLang's
+    memory saver (`rollout.engine.extra_args.enable_memory_saver=true`), which frees the
+    engine's memory while the rank trains. False: a rank's engine starts when it first rolls out."""
     drill_every: int = 0
     """A drill, not a policy: every this many steps move to the next configuration of `drill`
     whatever the measurements say, to exercise role changes under load (tests, soaks). 0: off."""
@@ -325,6 +331,12 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError(f"ers.enabled / ers.drill_every need scheduler.mode=tide, got {cfg.scheduler.mode}")
     if cfg.ers.drill_every and not cfg.ers.enabled:
         raise ValueError("ers.drill_every needs ers.enabled=true")
+    engine = cfg.rollout.engine
+    if cfg.ers.enabled and cfg.ers.move_ranks and cfg.ers.standby_engines and engine.device != "cpu" and \
+            not engine.extra_args.get("enable_memory_saver"):
+        raise ValueError("ers.standby_engines=true on GPU keeps an SGLang engine on every trainer rank: it needs "
+                         "rollout.engine.extra_args.enable_memory_saver=true (the engine frees its memory while the "
+                         "rank trains), or ers.standby_engines=false (an engine starts when its rank first rolls out)")
     if cfg.ers.drill not in ("layout", "split"):
         raise ValueError(f"ers.drill={cfg.ers.drill!r}: expected 'layout' or 'split'")
     if cfg.ers.drill_every and cfg.ers.drill == "split" and (not cfg.ers.move_ranks or cfg.trainer.tp_size != 1

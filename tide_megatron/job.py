@@ -188,11 +188,16 @@ class Job:
         when ERS moves it (at a post-update boundary, told by rank 0): the "roles" message that
         ends its rollout loop is the first its trainer side handles, and a "roles" message that
         makes it ROLLOUT ends the trainer's. Its SGLang engine starts when it first rolls out."""
+        from tide_megatron.controller.trainer_roles import standby_engine_ranks
         from tide_megatron.core.roles import Role
 
         trainer, _ = self._trainer_worker()
         rollout = None
         pending = None
+        if self.topo.rank in standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks):
+            rollout = self._start_rollout()
+            rollout.park()
+            self.mailbox.post(0, "engine_standby")
         while True:
             if trainer.role is Role.ROLLOUT:
                 rollout = rollout or self._start_rollout()

@@ -42,7 +42,7 @@ from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
 from tide_megatron.controller.rollout_service import RolloutService, RunError
 from tide_megatron.controller.step_log import StepLog
-from tide_megatron.controller.trainer_roles import TrainerRoles
+from tide_megatron.controller.trainer_roles import TrainerRoles, standby_engine_ranks
 from tide_megatron.controller.training import TrainerDriver
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
 from tide_megatron.core.ers import ERSMeasurements
@@ -130,6 +130,9 @@ class Controller:
             n = len(self.topo.rollout_ranks)
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: len(self.rollout.engines) >= n),
                               self.cfg.scheduler.ready_timeout_s, f"{n} rollout rank(s) to start their engines")
+            standby = standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks)
+            if standby:  # the first step's trainer ranks are not still starting an engine
+                self.trainer.take("engine_standby", len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
             if self.version > 0:  # resumed: the engines still hold the initial weights
                 self._push_weights(wait=True)
             self.log.start_run()

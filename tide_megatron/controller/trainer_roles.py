@@ -19,9 +19,9 @@ it out:
    (`comm/groups.py`).
 3. A rank leaving the trainer for rollout is named to the rollout service before the sync: it
    is one of the sync's receivers whether or not its engine is up yet (the send waits for its
-   receive), and takes tasks once it has loaded those weights. Its engine starts the first time
-   it rolls out (on CPU that takes a while; it overlaps the next step, since the other rollout
-   ranks go on), and releases and resumes its memory where SGLang can.
+   receive), and takes tasks once it has loaded those weights. Its engine was started at
+   start-up (`ers.standby_engines`, see `standby_engine_ranks`) or starts the first time it rolls
+   out; it releases and resumes its memory where SGLang can.
 
 The plan keeps the trainer a prefix of the ranks (`ERSConfig.reclaim="lowest"`): actor DP
 groups are the first TP blocks, reference ranks the highest trainer ranks. The split moves one
@@ -52,6 +52,15 @@ logger = logging.getLogger(__name__)
 ROLES_TIMEOUT_S = 600.0
 """How long rank 0 waits for every affected rank to finish a role change (state transfers of
 a large model included), and for a rank leaving rollout to drop its tasks."""
+
+
+def standby_engine_ranks(cfg, trainer_side: list[int]) -> list[int]:
+    """The trainer ranks that start an SGLang engine at start-up (`ers.standby_engines`): those
+    ERS may move into rollout, i.e. all but rank 0 (which always trains) when ranks move."""
+    ers = cfg.ers
+    if not (ers.enabled and ers.move_ranks and ers.standby_engines and cfg.trainer.tp_size == 1):
+        return []
+    return [r for r in trainer_side if r != 0]
 
 
 class TrainerRoles:

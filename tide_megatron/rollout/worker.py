@@ -148,6 +148,11 @@ class RolloutWorker:
             self._away = self.engine.release_memory()
         return handoff
 
+    def park(self) -> None:
+        """A standby engine on a trainer rank (`ers.standby_engines`): its memory is released
+        until the rank first rolls out."""
+        self._away = self.engine.release_memory()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -189,3 +189,22 @@ def test_a_planned_join_of_a_quarantined_rank_holds_the_roles():
 def test_with_tensor_parallel_actors_the_split_is_held():
     roles, _, _ = make(world=6, tp=2, trainers=2, refs=2)
     assert not roles.moves_split and roles.ers.config.max_moves_per_step == 0
+
+
+def test_standby_engines_start_on_the_trainer_ranks_ers_may_move_and_need_the_memory_saver_on_gpu():
+    from tide_megatron.config import JobConfig, validate
+    from tide_megatron.controller.trainer_roles import standby_engine_ranks
+
+    cfg = JobConfig()
+    cfg.scheduler.mode = "tide"
+    assert standby_engine_ranks(cfg, [0, 1, 2]) == []  # ERS off
+    cfg.ers.enabled = True
+    assert standby_engine_ranks(cfg, [0, 1, 2]) == [1, 2]  # rank 0 always trains
+    cfg.ers.move_ranks = False
+    assert standby_engine_ranks(cfg, [0, 1, 2]) == []
+    cfg.ers.move_ranks = True
+    cfg.rollout.engine.device = "cuda"
+    with pytest.raises(ValueError, match="enable_memory_saver"):
+        validate(cfg, 4)
+    cfg.rollout.engine.extra_args = {"enable_memory_saver": True}
+    validate(cfg, 4)
