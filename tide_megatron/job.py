@@ -187,7 +187,8 @@ class Job:
         """A rank other than 0 serves the trainer or rolls out, as its role says, and switches
         when ERS moves it (at a post-update boundary, told by rank 0): the "roles" message that
         ends its rollout loop is the first its trainer side handles, and a "roles" message that
-        makes it ROLLOUT ends the trainer's. Its SGLang engine starts when it first rolls out."""
+        makes it ROLLOUT ends the trainer's. Its SGLang engine starts when it first rolls out, or
+        at start-up on a trainer rank ERS may move (`ers.standby_engines`)."""
         from tide_megatron.controller.trainer_roles import standby_engine_ranks
         from tide_megatron.core.roles import Role
 
