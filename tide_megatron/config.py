@@ -255,6 +255,10 @@ class ERSJobConfig:
     engine start (on CPU a start takes tens of seconds of both cores). On GPU this needs SGLang's
     memory saver (`rollout.engine.extra_args.enable_memory_saver=true`), which frees the
     engine's memory while the rank trains. False: a rank's engine starts when it first rolls out."""
+    preemptive_cold_start: bool = True
+    """With `move_ranks`, before the first step every trainer rank but rank 0's rolls out
+    (nothing is ready to train yet: the paper's preemptive maximal rollout); the first step
+    boundary returns to ERS's plan. Not with a drill."""
     drill_every: int = 0
     """A drill, not a policy: every this many steps move to the next configuration of `drill`
     whatever the measurements say, to exercise role changes under load (tests, soaks). 0: off."""

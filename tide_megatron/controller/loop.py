@@ -133,8 +133,10 @@ class Controller:
             standby = standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks)
             if standby:  # the first step's trainer ranks are not still starting an engine
                 self.trainer.take("engine_standby", len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
-            if self.version > 0:  # resumed: the engines still hold the initial weights
-                self._push_weights(wait=True)
+            loan = self.roles.cold_start()  # preemptive maximal rollout, until the first boundary
+            if self.version > 0 or loan:  # resumed: the engines still hold the initial weights; lent
+                # ranks enter rollout service with these weights
+                self._push_weights(wait=self.version > 0)
             self.log.start_run()
             self._run_started = time.monotonic()
             self._start_eval()

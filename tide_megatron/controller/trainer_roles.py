@@ -28,9 +28,14 @@ groups are the first TP blocks, reference ranks the highest trainer ranks. The s
 rank per step, and only with `trainer.tp_size=1` (`ers.move_ranks`); with TP > 1 ERS decides
 the trainer's layout only.
 
+Preemptive maximal rollout at cold start (`cold_start`, `ers.preemptive_cold_start`): before
+the first step every trainer rank but rank 0's block rolls out (its standby engine makes that a
+weight load), and the first boundary returns to the reactive plan. Not on this stack: the
+evaluation loan (the real loop evaluates step i's model during step i+1, beside training).
+
 `ers.drill_every=N` moves to the next configuration of `ers.drill` every N steps whatever the
 measurements say: a drill that exercises role changes under load in tests and soaks, not a
-policy.
+policy (and no cold-start loan runs with it).
 """
 
 from __future__ import annotations
@@ -142,24 +147,42 @@ class TrainerRoles:
                         reason=f"drill every {self.cfg.drill_every} steps: {what}", step=step, changed=True)
 
     # -- the boundary ---------------------------------------------------------------------------
+    def cold_start(self) -> dict[str, float]:
+        """Preemptive maximal rollout at cold start (paper, "ERS"): before the first step,
+        nothing is ready to train, so every trainer rank but the minimum rolls out; a loan, the
+        first boundary returns to the reactive plan. Returns metrics (empty when not lent).
+        The caller sends the weights next, so the lent ranks enter rollout service."""
+        if not (self.enabled and self.moves_split and self.cfg.preemptive_cold_start and not self.cfg.drill_every):
+            return {}
+        loan = self.ers.preemptive_plan(self.plan, keep_trainer_ranks=self.ers.config.min_trainer_ranks,
+                                        reason="cold start")
+        return self._carry_out(loan, step=0, loan=True)
+
     def after_update(self, step: int, m: ERSMeasurements, times) -> dict[str, float]:
         """Plan the next step's roles and move to them; returns metrics for the step."""
         if not self.enabled:
             return {}
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step)
+        return self._carry_out(plan, step)
+
+    def _carry_out(self, plan: RolePlan, step: int, loan: bool = False) -> dict[str, float]:
+        """Move the ranks to `plan` (module docstring, steps 1-3). A loan leaves the reactive
+        plan, the one ERS plans from, as it was."""
         new = self._assignment_of(plan)
         old = self.worker.assignment
         out = {"ers/trainer_ranks": float(len(self.ranks)), "ers/trainer_ranks_ref": float(len(old.ref_ranks)),
                "ers/changes": float(self.changes), "ers/moves": float(self.moves)}
         if new is None or new == old:
-            self.plan = plan if new is not None else self.plan
+            if new is not None and not loan:
+                self.plan = plan
             return out
         before, after = set(self.ranks), set(new.actor_ranks) | set(new.ref_ranks)
         joining, leaving = sorted(after - before), sorted(before - after)
         if joining and not self.rollout.call(lambda: all(r in self.rollout.quarantine.serving for r in joining)):
             logger.warning("step %d: ERS planned ranks %s into the trainer, but not all are rollout ranks in service "
-                           "(quarantined?); the roles stay as they are", step, joining)
+                           "(quarantined, or not back from the trainer yet); the roles stay as they are",
+                           step, joining)
             return out
         started = time.perf_counter()
         for r in joining:
@@ -176,7 +199,8 @@ class TrainerRoles:
         mine = self.worker.apply(new)
         replies = self._take("roles_done", len(affected) - 1, timeout_s=ROLES_TIMEOUT_S)
         critical = time.perf_counter() - started
-        self.plan = plan
+        if not loan:
+            self.plan = plan
         self.changes += 1
         self.moves += len(joining) + len(leaving)
         logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",

@@ -137,6 +137,21 @@ def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
     assert [span["role"] for span in timeline["ranks"]["1"]] == ["rollout", "actor_ref", "ref", "rollout"]
 
 
+def test_ers_lends_trainer_ranks_to_rollout_at_cold_start(tmp_path):
+    """ERS on, no drill, 3 ranks (actors 0-1, rollout 2): before the first step rank 1 rolls out
+    on its standby engine (nothing is ready to train yet), from the weights of version 0; from
+    the first boundary on ERS plans from the start-up split (moving it back or keeping it, as
+    the rates say: the unit tests pin that down). Nothing is lost, the bound holds."""
+    rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=1", "ers.enabled=true", "run.steps=3")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["groups"] == 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0
+    assert rows[0]["trainer/dp_size"] == 1 and rows[0]["ers/moves"] >= 1  # step 1 ran on the loan
+    assert rows[-1]["rollout/moves_in"] >= 1 and rows[-1]["rollout/quarantines"] == 0  # rank 1 loaded v0, served
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    assert timeline["ranks"]["1"][0]["role"] == "rollout"
+
+
 def test_tide_trains_a_tensor_parallel_actor(tmp_path):
     """TP=2 actor (ranks 0, 1): both TP ranks join each step and each weight gather."""
     rows = train(tmp_path, 4, "scheduler.mode=tide", "cluster.rollout_ranks=2", "trainer.tp_size=2", "run.steps=3")

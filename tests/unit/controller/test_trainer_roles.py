@@ -208,3 +208,36 @@ def test_standby_engines_start_on_the_trainer_ranks_ers_may_move_and_need_the_me
         validate(cfg, 4)
     cfg.rollout.engine.extra_args = {"enable_memory_saver": True}
     validate(cfg, 4)
+
+
+def test_cold_start_lends_every_trainer_rank_but_rank_0_to_rollout_until_the_first_boundary():
+    layout = GroupLayout(4, 1)
+    topo = SimpleNamespace(trainer_ranks=[0, 1, 2], ref_ranks=[], rollout_ranks=[3], world_size=4)
+    worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1, 2], []))
+    worker.needs_ref = True
+    events: list = []
+    mailbox = FakeMailbox()
+    mailbox.post = lambda dest, kind, **payload: events.append((kind, dest))
+    rollout = FakeRollout([3], events)
+    roles = TrainerRoles(ERSJobConfig(enabled=True), topo, mailbox, worker, RA2PConfig(),
+                         take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count, rollout=rollout)
+    lent = roles.cold_start()
+    assert worker.assignment == TrainerAssignment(layout, 1, (), actors_hold_ref=True) and roles.ranks == [0]
+    assert sorted(e for e in events if e[0] == "return_to_rollout") == [("return_to_rollout", 1),
+                                                                       ("return_to_rollout", 2)]
+    assert lent["ers/moves"] == 2 and roles.plan.trainer_ranks == [0, 1, 2]  # the reactive plan is kept
+    events.clear()
+    back = roles.after_update(1, window(), MicroBatchTimes(0.05, 0.05, 0.1))  # rates unmeasured: hold the split
+    assert [e for e in events if e[0] == "move_to_trainer"] == [("move_to_trainer", 1), ("move_to_trainer", 2)]
+    assert worker.assignment.actor_ranks == (0, 1, 2) and back["ers/moves"] == 4
+
+
+def test_no_cold_start_loan_with_a_drill_or_when_turned_off():
+    for cfg in (ERSJobConfig(enabled=True, drill_every=1, drill="split"),
+                ERSJobConfig(enabled=True, preemptive_cold_start=False)):
+        layout = GroupLayout(4, 1)
+        topo = SimpleNamespace(trainer_ranks=[0, 1], ref_ranks=[], rollout_ranks=[2, 3], world_size=4)
+        worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1], []))
+        roles = TrainerRoles(cfg, topo, FakeMailbox(), worker, RA2PConfig(), take=lambda *a, **k: [],
+                             rollout=FakeRollout([2, 3], []))
+        assert roles.cold_start() == {} and worker.applied == []
