@@ -111,7 +111,7 @@ class Controller:
         self.trainer_rank = trainer
         self.roles = TrainerRoles(cfg.ers, topo, mailbox, trainer, cfg.ra2p.cost_model, self.trainer.take,
                                   rollout=self.rollout, min_rollout_ranks=sched.min_rollout_ranks)
-        self._ers_since = time.perf_counter()  # the window ERS's next plan reads
+        self._ers_since = time.perf_counter()  # where the window ERS's next plan reads begins
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
         self.unstopped: list[str] = []
         """Rollout ranks that did not answer `Stop` in time, one line each (see the docstring)."""
@@ -138,6 +138,8 @@ class Controller:
                 # ranks enter rollout service with these weights
                 self._push_weights(wait=self.version > 0)
             self.log.start_run()
+            self._ers_since = time.perf_counter()  # ERS's first window: the run's clock, not engine start-up
+            self.rollout.call(self.rollout.ers_window)
             self._run_started = time.monotonic()
             self._start_eval()
             while not self._last_step_done():
