@@ -137,7 +137,7 @@ class StepLog:
             step=step, start=end - step_s, end=end, twt_s=record["twt_s"], rwt_s=record["rwt_s"],
             ra2p_mode=outcome.mode.value, staleness_mean=record["staleness/mean"],
             staleness_max=record["staleness/max"],
-            rollout_ranks=topo.world_size - len(set(outcome.assignment.actor_ranks) | set(outcome.assignment.ref_ranks)),
+            rollout_ranks=topo.world_size - len(outcome.assignment.trainer_ranks),
             trainer_ranks=len(outcome.assignment.actor_ranks),
             ref_ranks=len(outcome.assignment.ref_ranks) if decoupled else 0),
             self._trainer_roles(outcome.mode, outcome.assignment), checkpointed=checkpoint_s > 0)

@@ -92,8 +92,7 @@ class TrainerRoles:
     @property
     def ranks(self) -> list[int]:
         """The trainer-side ranks now (actors and reference ranks)."""
-        a = self.worker.assignment
-        return sorted(set(a.actor_ranks) | set(a.ref_ranks))
+        return list(self.worker.assignment.trainer_ranks)
 
     @property
     def enabled(self) -> bool:
@@ -124,7 +123,7 @@ class TrainerRoles:
 
     def _drill_plan(self, step: int) -> RolePlan:
         roles = {r: Role.ROLLOUT for r in range(self.world)}
-        base = sorted(set(self._startup.actor_ranks) | set(self._startup.ref_ranks))
+        base = list(self._startup.trainer_ranks)
         if self.cfg.drill == "split":
             # the start-up trainer, then the next rank joins as an actor, then serves as the
             # reference (with a reference model), then returns to rollout
@@ -177,7 +176,7 @@ class TrainerRoles:
             if new is not None and not loan:
                 self.plan = plan
             return out
-        before, after = set(self.ranks), set(new.actor_ranks) | set(new.ref_ranks)
+        before, after = set(self.ranks), set(new.trainer_ranks)
         joining, leaving = sorted(after - before), sorted(before - after)
         if joining and not self.rollout.call(lambda: all(r in self.rollout.quarantine.serving for r in joining)):
             logger.warning("step %d: ERS planned ranks %s into the trainer, but not all are rollout ranks in service "

@@ -94,6 +94,11 @@ class TrainerAssignment:
     def actor_ranks(self) -> tuple[int, ...]:
         return self.layout.actor_ranks(self.actor_blocks)
 
+    @property
+    def trainer_ranks(self) -> tuple[int, ...]:
+        """Every rank in a trainer role (actors and reference ranks), ascending."""
+        return tuple(sorted(set(self.actor_ranks) | set(self.ref_ranks)))
+
     def dp_rank(self, rank: int) -> int:
         """The DP rank of an actor rank (its block)."""
         if rank not in self.actor_ranks:
