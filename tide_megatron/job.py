@@ -192,7 +192,11 @@ class Job:
         from tide_megatron.controller.trainer_roles import standby_engine_ranks
         from tide_megatron.core.roles import Role
 
-        trainer, _ = self._trainer_worker()
+        ers = self.cfg.ers
+        # A rollout rank holds a trainer side only if ERS may move it (the worker reads the
+        # checkpoint's config and, for a VL model, its image processor)
+        moves = ers.enabled and ers.move_ranks
+        trainer = self._trainer_worker()[0] if self.topo.rank not in self.topo.rollout_ranks or moves else None
         rollout = None
         pending = None
         if self.topo.rank in standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks):
@@ -200,11 +204,12 @@ class Job:
             rollout.park()
             self.mailbox.post(0, "engine_standby")
         while True:
-            if trainer.role is Role.ROLLOUT:
+            if trainer is None or trainer.role is Role.ROLLOUT:
                 rollout = rollout or self._start_rollout()
                 pending = rollout.run()
                 if pending is None:  # Stop
                     return
+                trainer = trainer or self._trainer_worker()[0]
             if trainer.serve(self.mailbox, pending) is None:  # Stop
                 return
             pending = None
