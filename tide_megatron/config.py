@@ -259,6 +259,13 @@ class ERSJobConfig:
     """With `move_ranks`, before the first step every trainer rank but rank 0's rolls out
     (nothing is ready to train yet: the paper's preemptive maximal rollout); the first step
     boundary returns to ERS's plan. Not with a drill."""
+    preemptive_eval: bool = True
+    """With `move_ranks`, a step during which the previous model is evaluated lends to rollout
+    every trainer rank it does not need to finish its batch within the expected evaluation time
+    (core's `ERSController.eval_trainer_ranks`, from the last evaluation's measured duration and
+    the measured trainer rate): the paper's preemptive maximal rollout for evaluation phases.
+    The next boundary returns to ERS's plan. The first evaluation is measured, not lent for;
+    not with a drill."""
     drill_every: int = 0
     """A drill, not a policy: every this many steps move to the next configuration of `drill`
     whatever the measurements say, to exercise role changes under load (tests, soaks). 0: off."""

@@ -8,11 +8,12 @@ One step, whatever the mode:
   1. rollout: sync starts the step's groups now; the other modes keep rollout running;
   2. data: wait for the whole global batch, or (streaming) for the first ready group;
   3. train: the executor runs; in streaming modes later groups join as they complete;
-  4. version += 1 (the controller is the one owner of the weight version); with ERS on, the
-     ranks move to the next step's roles (`trainer_roles.py`); doomed groups are
-     cancelled, the running evaluation is gathered, weights go point to point to every rollout
-     rank in service and to quarantined ones ready to rejoin (sync waits until each has loaded
-     them or was quarantined; the others go on), the next evaluation starts;
+  4. version += 1 (the controller is the one owner of the weight version); the running
+     evaluation is gathered; with ERS on, the ranks move to the next step's roles
+     (`trainer_roles.py`, with the evaluation loan when one starts now); doomed groups are
+     cancelled, weights go point to point to every rollout rank in service and to quarantined
+     ones ready to rejoin (sync waits until each has loaded them or was quarantined; the
+     others go on), the next evaluation starts;
   5. log, and checkpoint at the interval.
 
 Every wait is bounded and watches the rollout side's health: a stalled run, a dead rollout
@@ -90,6 +91,7 @@ class Controller:
         self._run_started = time.monotonic()
         self._time_noted = False
         self._eval_pending: Optional[int] = None
+        self._eval_s = 0.0  # the last complete evaluation's duration (0: none yet)
         batch = sched.groups_per_step * sched.group_size
         buffer = GlobalBuffer(
             BufferConfig(group_size=sched.group_size, b_min=sched.group_size if self.mode.streaming else batch,
@@ -199,10 +201,14 @@ class Controller:
         self.version += 1
         self.step += 1
         t_sync = time.perf_counter()
-        # ERS plans after the update and before the weight sync (roles change on its boundary).
-        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, twt, train_s),
-                                      self.trainer.selector.cost_inputs()[0]) if self.roles.enabled else {}
+        # The evaluation is gathered first: a rank ERS moves out of rollout then holds no eval task.
         eval_wait_s = self._finish_eval()
+        # ERS plans after the update and before the weight sync (roles change on its boundary);
+        # after the last step no step follows to use new roles.
+        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, twt, train_s),
+                                      self.trainer.selector.cost_inputs()[0],
+                                      expected_eval_s=self._eval_s if self._eval_due() else 0.0) \
+            if self.roles.enabled and not self._last_step_done() else {}
         # The weights go out before admission resumes under the new version: a rank reads its
         # LoadWeights before any task started after it.
         self._push_weights(wait=not self.mode.continuous_rollout)
@@ -269,9 +275,14 @@ class Controller:
         return time.perf_counter() - t0
 
     # -- evaluation (tide-style: step i's model is evaluated during step i+1) ------------------
+    def _eval_due(self) -> bool:
+        """An evaluation of the current model starts at this boundary."""
+        every = self.cfg.scheduler.eval_every
+        return bool(every and self.eval_tasks and self.version % every == 0)
+
     def _start_eval(self) -> None:
-        every, sched = self.cfg.scheduler.eval_every, self.cfg.scheduler
-        if every and self.eval_tasks and self.version % every == 0:
+        sched = self.cfg.scheduler
+        if self._eval_due():
             version = self.version
             self.rollout.call(lambda: self.rollout.submit_eval(version, self.eval_tasks, sched.eval_groups))
             self._eval_pending = version
@@ -287,6 +298,8 @@ class Controller:
                                                         when=lambda: self.rollout.evals.ready(version)),
                                     self.stall_timeout_s * 4, f"the evaluation of step {version}")
         waited = time.perf_counter() - t0
+        if metrics.complete:  # what ERS's evaluation loan expects of the next one
+            self._eval_s = metrics.duration_s
         self.metrics.log_at(version, {**metrics.to_log(), "eval/wait_s": waited})
         self.metrics.write(f"eval of step {version}: mean reward {metrics.mean_reward:.3f}, "
                            f"best-of-{self.cfg.scheduler.group_size} {metrics.best_of_n_reward:.3f}, "

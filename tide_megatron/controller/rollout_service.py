@@ -56,11 +56,13 @@ from tide_megatron.rollout.eval_aggregator import EvalAggregator
 
 logger = logging.getLogger(__name__)
 
+KV_SAMPLE_S = 0.1
+"""How often the KV use ERS reads is sampled."""
 POLL_INTERVAL_S = 0.005
 
 
 def _empty_window() -> dict[str, float]:
-    return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_sum": 0.0, "kv_n": 0}
+    return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_share_s": 0.0, "kv_s": 0.0}
 
 
 class RunError(RuntimeError):
@@ -108,6 +110,8 @@ class RolloutService(threading.Thread):
         self._step_started: Optional[float] = None
         self._window = _empty_window()
         self._full_since: Optional[float] = None
+        self._kv_share: Optional[float] = None  # CTB ranks' mean KV use at the last sample (None: unknown)
+        self._kv_at = 0.0
         self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
         placement.on_group_started = self._on_group_started
 
@@ -156,6 +160,7 @@ class RolloutService(threading.Thread):
         try:
             while not self._stopping.is_set():
                 read_at = self._pump()
+                self._note_kv(read_at)
                 self._start_groups()
                 self._place()
                 self._feed_stream()
@@ -252,7 +257,7 @@ class RolloutService(threading.Thread):
             return
         self._attempts.pop(tid, None)
         done = self.buffer.add_trajectory(traj, now, consumer_version=self.version)
-        self.evals.record(traj)
+        self.evals.record(traj, now)
         if done is not None:
             self._window["eval_tokens" if done.is_eval else "fresh_tokens"] += done.total_tokens
         if not self.buffer.is_pending(traj.group_id):  # completed (ready, dropped or evaluated)
@@ -346,25 +351,34 @@ class RolloutService(threading.Thread):
         self.quarantine.return_to_rollout(rank, time.monotonic())
         logger.info("rank %d joins rollout; tasks go to it once it has loaded the next weights", rank)
 
-    def ers_window(self) -> dict[str, float]:
+    def ers_window(self, now: Optional[float] = None) -> dict[str, float]:
         """What ERS reads of rollout since the last call (then reset): tokens of training groups
         that became ready and of evaluation trajectories, seconds the admission slots were full,
         and the mean KV use of the CTB ranks in service (0 without CTB)."""
-        self._note_slots(time.monotonic(), self._full_since is not None)
+        now = time.monotonic() if now is None else now
+        self._note_slots(now, self._full_since is not None)
+        self._note_kv(now, force=True)
         w, self._window = self._window, _empty_window()
         return {"fresh_tokens": w["fresh_tokens"], "eval_tokens": w["eval_tokens"], "slots_full_s": w["slots_full_s"],
-                "kv_used_fraction": w["kv_sum"] / w["kv_n"] if w["kv_n"] else 0.0}
+                "kv_used_fraction": w["kv_share_s"] / w["kv_s"] if w["kv_s"] else 0.0}
 
     def _note_slots(self, now: float, full: bool) -> None:
         if self._full_since is not None:
             self._window["slots_full_s"] += now - self._full_since
         self._full_since = now if full else None
+
+    def _note_kv(self, now: float, force: bool = False) -> None:
+        """Time-weighted KV use: the share sampled at most every `KV_SAMPLE_S` holds until the
+        next sample (the loop runs every few ms; a sample per pass would weigh busy spells, when
+        the loop is slow, less than idle ones)."""
+        if not force and now - self._kv_at < KV_SAMPLE_S:
+            return
+        if self._kv_share is not None:
+            self._window["kv_share_s"] += self._kv_share * (now - self._kv_at)
+            self._window["kv_s"] += now - self._kv_at
         usage = getattr(self.placement, "kv_usage", None)
-        if usage is not None:
-            used = usage(self.quarantine.serving)
-            if used is not None:
-                self._window["kv_sum"] += used
-                self._window["kv_n"] += 1
+        self._kv_share = usage(self.quarantine.serving) if usage is not None else None
+        self._kv_at = now
 
     def send_weights(self, manifest, flat) -> list[int]:
         """Send packed weights to the ranks in service and those ready to rejoin; returns them.
@@ -468,7 +482,7 @@ class RolloutService(threading.Thread):
         if failed and members is not None and self.mode.continuous_rollout is False:
             self._requested_groups += 1  # the sync batch still needs a whole group in its place
         if members and members[0].is_eval:  # the evaluation goes on without this group
-            self.evals.abandon(self._eval_groups.pop(gid), [a.trajectory_id for a in members])
+            self.evals.abandon(self._eval_groups.pop(gid), [a.trajectory_id for a in members], now)
 
     def set_version(self, version: int) -> None:
         """New weights are out: later groups are admitted under `version`; groups that can no
@@ -487,7 +501,7 @@ class RolloutService(threading.Thread):
             gid = self._start_group(self._rng.choice(tasks), is_eval=True, prefix="eval")
             self._eval_groups[gid] = version
             assignments += self._live[gid]
-        self.evals.expect(version, assignments)
+        self.evals.expect(version, assignments, time.monotonic())
 
     # ------------------------------------------------------------------ the trainer's step
     def open_step(self, max_groups: int) -> tuple[float, float, list[CompletedGroup]]:

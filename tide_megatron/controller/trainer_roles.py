@@ -30,12 +30,17 @@ the trainer's layout only.
 
 Preemptive maximal rollout at cold start (`cold_start`, `ers.preemptive_cold_start`): before
 the first step every trainer rank but rank 0's block rolls out (its standby engine makes that a
-weight load), and the first boundary returns to the reactive plan. Not on this stack: the
-evaluation loan (the real loop evaluates step i's model during step i+1, beside training).
+weight load), and the first boundary returns to the reactive plan. The evaluation loan (`ers.preemptive_eval`):
+the loop evaluates step i's model during step i+1, beside training, so the step is bounded
+below by the evaluation; at the boundary where an evaluation starts, every trainer rank the
+step does not need to finish its batch within the last evaluation's duration rolls out
+(core's `eval_trainer_ranks`), and the next boundary, after the evaluation is gathered (its
+tasks are not moved), returns to the reactive plan. A loan is outside the one-move-per-step
+limit both ways, as in the simulator.
 
 `ers.drill_every=N` moves to the next configuration of `ers.drill` every N steps whatever the
 measurements say: a drill that exercises role changes under load in tests and soaks, not a
-policy (and no cold-start loan runs with it).
+policy (and no loan, at cold start or for an evaluation, runs with it).
 """
 
 from __future__ import annotations
@@ -155,26 +160,37 @@ class TrainerRoles:
             return {}
         loan = self.ers.preemptive_plan(self.plan, keep_trainer_ranks=self.ers.config.min_trainer_ranks,
                                         reason="cold start")
-        return self._carry_out(loan, step=0, loan=True)
+        return self._carry_out(loan, step=0, reactive=self.plan)
 
-    def after_update(self, step: int, m: ERSMeasurements, times) -> dict[str, float]:
-        """Plan the next step's roles and move to them; returns metrics for the step."""
+    def after_update(self, step: int, m: ERSMeasurements, times, expected_eval_s: float = 0.0) -> dict[str, float]:
+        """Plan the next step's roles and move to them; returns metrics for the step.
+        `expected_eval_s`: an evaluation starts at this boundary and is expected to take this
+        long (0: none starts, or its length is not measured yet)."""
         if not self.enabled:
             return {}
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step)
-        return self._carry_out(plan, step)
+        if self.cfg.drill_every or not (expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval):
+            return self._carry_out(plan, step)
+        keep = self.ers.eval_trainer_ranks(expected_eval_s)
+        if keep >= len(plan.trainer_ranks):
+            return self._carry_out(plan, step)
+        loan = self.ers.preemptive_plan(plan, keep_trainer_ranks=keep, reason=(
+            f"evaluation expected to take {expected_eval_s:.1f} s; {keep} trainer rank(s) finish the step within it"))
+        return self._carry_out(loan, step, reactive=plan)
 
-    def _carry_out(self, plan: RolePlan, step: int, loan: bool = False) -> dict[str, float]:
-        """Move the ranks to `plan` (module docstring, steps 1-3). A loan leaves the reactive
-        plan, the one ERS plans from, as it was."""
+    def _carry_out(self, plan: RolePlan, step: int, reactive: Optional[RolePlan] = None) -> dict[str, float]:
+        """Move the ranks to `plan` (module docstring, steps 1-3). `reactive`: `plan` is a loan
+        and this is the plan ERS goes on from (the next boundary returns to it)."""
         new = self._assignment_of(plan)
         old = self.worker.assignment
+        keep = reactive or plan
         out = {"ers/trainer_ranks": float(len(self.ranks)), "ers/trainer_ranks_ref": float(len(old.ref_ranks)),
-               "ers/changes": float(self.changes), "ers/moves": float(self.moves)}
+               "ers/changes": float(self.changes), "ers/moves": float(self.moves),
+               "ers/lent_ranks": float(len(keep.trainer_ranks) - len(plan.trainer_ranks)) if new is not None else 0.0}
         if new is None or new == old:
-            if new is not None and not loan:
-                self.plan = plan
+            if new is not None:
+                self.plan = keep
             return out
         before, after = set(self.ranks), set(new.trainer_ranks)
         joining, leaving = sorted(after - before), sorted(before - after)
@@ -198,10 +214,11 @@ class TrainerRoles:
         mine = self.worker.apply(new)
         replies = self._take("roles_done", len(affected) - 1, timeout_s=ROLES_TIMEOUT_S)
         critical = time.perf_counter() - started
-        if not loan:
-            self.plan = plan
+        self.plan = keep
         self.changes += 1
         self.moves += len(joining) + len(leaving)
+        if joining or leaving:  # a rollout scale-down starts the buffer's adaptive retention
+            self.rollout.call(lambda: self.rollout.buffer.notify_rollout_scaled(len(leaving) - len(joining)))
         logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",
                     step, new.dp_size, list(new.ref_ranks) or "none (actors hold it)",
                     [r for r in range(self.world) if r not in after], plan.reason, critical)

@@ -47,3 +47,20 @@ def test_an_abandoned_eval_group_lets_the_evaluation_complete_without_it():
     agg.abandon(2, ["b/0", "b/1"])  # group b failed past its retries
     m = agg.pop(2)
     assert m is not None and m.trajectories == 2 and m.groups == 1 and m.mean_reward == pytest.approx(0.5)
+
+
+def test_duration_runs_from_submission_to_the_trajectory_that_completes_the_evaluation():
+    agg = EvalAggregator()
+    agg.expect(4, [TaskAssignment(task={}, group_id="a", index=i, is_eval=True) for i in range(2)], now=10.0)
+    agg.record(_traj("a", 0, 1.0, 4), now=12.0)
+    agg.record(_traj("a", 1, 0.0, 4), now=17.5)
+    agg.record(_traj("a", 1, 0.0, 4), now=30.0)  # a late duplicate does not move the end
+    assert agg.pop(4).duration_s == pytest.approx(7.5)
+    agg.expect(6, [TaskAssignment(task={}, group_id=g, index=0, is_eval=True) for g in ("a", "b")], now=0.0)
+    agg.record(_traj("a", 0, 1.0, 6), now=1.0)
+    partial = agg.pop(6, partial=True)
+    assert not partial.complete and "eval/duration_s" not in partial.to_log()  # not measured: not logged
+    agg.expect(8, [TaskAssignment(task={}, group_id=g, index=0, is_eval=True) for g in ("a", "b")], now=0.0)
+    agg.record(_traj("a", 0, 1.0, 8), now=1.0)
+    agg.abandon(8, ["b/0"], now=3.0)  # the failed group's end completes it
+    assert agg.pop(8).to_log()["eval/duration_s"] == pytest.approx(3.0)

@@ -401,3 +401,21 @@ def test_the_run_stops_when_no_rollout_rank_is_left(store):
     finally:
         svc.stop()
         rank.stop.set()
+
+
+def test_the_kv_use_ers_reads_is_time_weighted_and_sampled_at_most_every_tenth_of_a_second(store):
+    mailbox = Mailbox(store, 0)
+    health = RolloutHealth([], 0.0, heartbeat_timeout_s=30.0, stall_timeout_s=30.0)
+    shares = iter([0.5, 0.9, 0.2, 0.0])
+    placement = RequestPlacement(mailbox, [1], 8)
+    placement.kv_usage = lambda ranks: next(shares)
+    svc = RolloutService(mailbox=mailbox, buffer=GlobalBuffer(BufferConfig(group_size=G, b_min=G, b_ideal=G)),
+                         placement=placement, mode=mode_policy("tide"), rollout_ranks=[1], tasks=TASKS, group_size=G,
+                         groups_per_step=1, max_staleness=1, max_task_retries=1, max_failed_groups=3, seed=0,
+                         start_version=0, health=health)  # not started: this test is its only thread
+    svc._note_kv(100.0)  # 0.5 from here
+    svc._note_kv(100.05)  # too soon: no sample
+    svc._note_kv(101.0)  # 0.9 from here
+    window = svc.ers_window(now=104.0)  # (0.5 x 1 s + 0.9 x 3 s) / 4 s; samples 0.2 from here
+    assert window["kv_used_fraction"] == pytest.approx(0.8)
+    assert svc.ers_window(now=105.0)["kv_used_fraction"] == pytest.approx(0.2)
