@@ -30,6 +30,9 @@ HOOKED_SIGNATURES: dict[str, str] = {
     f"{_SCHED}.handle_generate_request":
         "(self, recv_req: sglang.srt.managers.io_struct.TokenizedGenerateReqInput, *, mm_input_error: Optional[str] = None)",
     f"{_SCHED}.close_session": "(self, recv_req: sglang.srt.managers.io_struct.CloseSessionReqInput)",
+    f"{_SCHED}.process_batch_result":
+        "(self, batch: sglang.srt.managers.schedule_batch.ScheduleBatch, "
+        "result: Union[sglang.srt.managers.utils.GenerationBatchResult, sglang.srt.managers.utils.EmbeddingBatchResult])",
     f"{_SESSIONS}._close": "(self, session_id: 'str')",
     f"{_POLICY}.SchedulePolicy.calc_priority":
         "(self, waiting_queue: 'List[Req]', running_batch: 'Optional[ScheduleBatch]' = None, processed_tokens: 'int' = 0) -> 'None'",
@@ -47,8 +50,14 @@ _ATTRIBUTES_READ = (f"{_POLICY}.AddReqResult.CONTINUE",
                     "sglang.srt.mem_cache.radix_cache.RadixKey.page_aligned",
                     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert",
                     "sglang.srt.session.streaming_session.StreamingSession.release_session",
-                    "sglang.srt.mem_cache.unified_cache.component_type.BASE_COMPONENT_TYPE")
+                    "sglang.srt.mem_cache.unified_cache.component_type.BASE_COMPONENT_TYPE",
+                    "sglang.srt.managers.schedule_batch.ScheduleBatch.launch_ts",
+                    "sglang.srt.model_executor.forward_batch_info.ForwardMode.is_decode")
 """Further SGLang names the hooks read."""
+
+_SOURCE_FACTS = {f"{_SCHED}.run_batch": "batch.launch_ts = time.monotonic()"}
+"""Source lines the hooks rely on: the decode timing compares `launch_ts` with its own
+`time.monotonic()`, so a change of clock would corrupt it without any signature change."""
 
 
 class SGLangVersionMismatch(RuntimeError):
@@ -78,6 +87,14 @@ def check_hook_targets() -> list[str]:
             pkgutil.resolve_name(name)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{name}: missing ({exc})")
+    for target, line in _SOURCE_FACTS.items():
+        try:
+            source = inspect.getsource(inspect.unwrap(pkgutil.resolve_name(target)))
+        except (ImportError, AttributeError, OSError, TypeError) as exc:
+            problems.append(f"{target}: source unavailable ({exc})")
+            continue
+        if line not in source:
+            problems.append(f"{target}: no longer contains `{line}`")
     return problems
 
 
@@ -88,6 +105,7 @@ def register_hooks() -> None:
 
     HookRegistry.register(f"{_SCHED}.handle_generate_request", h.on_generate_request, HookType.BEFORE)
     HookRegistry.register(f"{_SCHED}.close_session", h.on_close_session, HookType.BEFORE)
+    HookRegistry.register(f"{_SCHED}.process_batch_result", h.after_process_batch_result, HookType.AFTER)
     HookRegistry.register(f"{_SESSIONS}._close", h.before_session_release, HookType.BEFORE)
     HookRegistry.register(f"{_POLICY}.SchedulePolicy.calc_priority", h.after_calc_priority, HookType.AFTER)
     HookRegistry.register(f"{_POLICY}.PrefillAdder.add_one_req", h.around_add_one_req, HookType.AROUND)

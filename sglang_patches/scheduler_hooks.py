@@ -24,16 +24,22 @@ untagged (vanilla, request-level) requests keep SGLang's behaviour exactly.
   CTB task's session the hook first inserts the whole committed context (all turns) into the
   tree and moves `cache_protected_len` up to it, so release frees only the uncommitted tail and
   the paused task's context stays as evictable cache that its resume can hit.
+- decode timing (`Scheduler.process_batch_result`, AFTER): cumulative counters of decode
+  iterations, their seconds and batch sizes, and of batch-of-one iterations (the floor), for
+  ERS's decode slowdown (see `after_process_batch_result` for what the time covers). These
+  count every decode batch, tagged or not: the slowdown is the engine's, not a task's.
 - reporting (`SchedulerOutputStreamer.stream_output`, BEFORE, and
   `is_request_level_customized_info_key`, AROUND): every finished tagged request carries
   `meta_info["tide_ctb"] = [report]` with the task's context and the engine's KV state, so the
   dispatcher learns footprints and cache state every turn; the report is also the proof that the
-  plugin runs inside the scheduler process.
+  plugin runs inside the scheduler process. It also carries the decode counters
+  (`DECODE_COUNTERS`), which the rollout rank forwards to rank 0 in its heartbeats.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,6 +47,10 @@ from sglang_patches.task_tag import ADMIT, TaskTag, parse_rid
 
 REPORT_KEY = "tide_ctb"
 """meta_info key of the per-request CTB report."""
+
+DECODE_COUNTERS = ("decode_iterations", "decode_s", "decode_seqs", "decode_seq_s", "decode_floor_iterations",
+                   "decode_floor_s")
+"""The report's cumulative decode counters (names shared with `comm.messages.Heartbeat`)."""
 
 
 @dataclass
@@ -63,6 +73,19 @@ class SchedulerCTBState:
     released_cached_tokens: int = 0
     """Tokens of closed CTB sessions inserted into the radix tree on release (beyond the prompt)."""
     released_sessions: int = 0
+    decode_iterations: int = 0
+    """Decode batches whose results were processed since the scheduler started."""
+    decode_s: float = 0.0
+    """Their seconds (see `after_process_batch_result`)."""
+    decode_seqs: int = 0
+    """Sum of their batch sizes (sequences)."""
+    decode_seq_s: float = 0.0
+    """Sum of batch size x seconds (a time-weighted mean batch is decode_seq_s / decode_s)."""
+    decode_floor_iterations: int = 0
+    """Of the decode iterations, those with a batch of one."""
+    decode_floor_s: float = 0.0
+    last_result_done: Optional[float] = None
+    """`time.monotonic()` when the previous batch's result processing ended (any mode)."""
     hooks_called: dict[str, int] = field(default_factory=dict)
 
     def pinned_reserve(self) -> int:
@@ -70,6 +93,18 @@ class SchedulerCTBState:
 
     def count(self, hook: str) -> None:
         self.hooks_called[hook] = self.hooks_called.get(hook, 0) + 1
+
+    def record_decode(self, batch_size: int, seconds: float) -> None:
+        self.decode_iterations += 1
+        self.decode_s += seconds
+        self.decode_seqs += batch_size
+        self.decode_seq_s += batch_size * seconds
+        if batch_size == 1:
+            self.decode_floor_iterations += 1
+            self.decode_floor_s += seconds
+
+    def decode_counters(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in DECODE_COUNTERS}
 
 
 STATE = SchedulerCTBState()
@@ -235,6 +270,42 @@ def around_retraction_order(original, reqs, *args, **kwargs):
     return sorted(order, key=keep_key)
 
 
+# -- decode timing -----------------------------------------------------------------------
+def after_process_batch_result(_none, scheduler, batch, *args, **kwargs):
+    """AFTER Scheduler.process_batch_result: time a decode iteration, sync-free.
+
+    A decode iteration lasts from max(its launch, the end of the previous batch's result
+    processing) to the end of its own result processing. Timing `run_batch` alone would not do:
+    on GPU it only launches kernels (more so with the overlap scheduler), and a
+    `synchronize()` to wait for them would cost the hot path the very overlap it has. The end
+    of result processing is a point SGLang already waits at: `process_batch_result_decode`
+    waits for the sampled tokens' copy to the host (`result.copy_done`), i.e. for the forward.
+    - Without overlap (CPU here, overlap is off) the previous result was processed before
+      this batch launched: the span is launch -> forward -> sampled tokens on the host -> their
+      processing (streaming included), and leaves out request intake and scheduling (weight
+      updates and requests are handled there, not decode).
+    - With the overlap scheduler the previous result is processed after this batch launched,
+      so the span is result-to-result: in steady state the iteration period, bounded by the
+      GPU or the CPU, whichever is slower. The first decode after an idle spell starts at its
+      own launch. Limit: a long intake step between two busy overlapped iterations (a weight
+      load without pausing generation) is counted in one iteration's time.
+    Only decode batches count (`forward_mode.is_decode()`); prefill, mixed and speculative
+    verify batches do not, but their result processing still moves the previous end.
+    """
+    done = time.monotonic()  # the clock of `batch.launch_ts` (set in `Scheduler.run_batch`)
+    prev_done, STATE.last_result_done = STATE.last_result_done, done
+    mode = getattr(batch, "forward_mode", None)
+    launched = getattr(batch, "launch_ts", None)
+    if mode is None or launched is None or not mode.is_decode():
+        return None
+    size = len(batch.reqs)
+    if size == 0:
+        return None
+    start = launched if prev_done is None else max(launched, prev_done)
+    STATE.record_decode(size, max(0.0, done - start))
+    return None
+
+
 # -- reporting ----------------------------------------------------------------------------
 def _kv_state(tree_cache: Any) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -278,6 +349,7 @@ def before_stream_output(streamer, reqs, *args, **kwargs):
             "released_sessions": STATE.released_sessions,
             "released_cached_tokens": STATE.released_cached_tokens,
             "hooks_called": dict(STATE.hooks_called),
+            **STATE.decode_counters(),
             **_kv_state(streamer.tree_cache),
         }
         req.customized_info = dict(req.customized_info or {})

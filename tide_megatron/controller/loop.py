@@ -221,9 +221,10 @@ class Controller:
                       checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra=ers)
 
     def _ers_measurements(self, outcome, twt: float, train_s: float) -> ERSMeasurements:
-        """The window since the previous plan, as ERS reads it. Not measured on this stack: the
-        decode iteration times (ERS then reads decode as unslowed, so it grows rollout for a
-        starved trainer from the rates, never from batching)."""
+        """The window since the previous plan, as ERS reads it. The decode iteration times come
+        from the `tide_ctb` plugin's counters in the rollout ranks' heartbeats (`ers_window`);
+        without CTB, or before a batch of one was seen, they are 0 and ERS reads decode as
+        unslowed (it then grows rollout for a starved trainer from the rates, not from batching)."""
         est, window, serving = self.rollout.call(lambda: (self.rollout.buffer.estimate(), self.rollout.ers_window(),
                                                           len(self.rollout.quarantine.serving)))
         tokens = sum(t.total_tokens for g in outcome.consumed for t in g.trajectories)
@@ -235,7 +236,8 @@ class Controller:
             trained_tokens=tokens, rollout_ranks=serving, fresh_tokens=int(window["fresh_tokens"]),
             eval_tokens=int(window["eval_tokens"]), slots_full_s=min(window["slots_full_s"], window_s),
             kv_used_fraction=window["kv_used_fraction"], ras_tokens=est.ras_tokens,
-            arrival_tokens_per_s=est.arrival_tokens_per_s)
+            arrival_tokens_per_s=est.arrival_tokens_per_s, decode_iteration_s=window["decode_iteration_s"],
+            decode_floor_s=window["decode_floor_s"], mean_decode_batch=window["mean_decode_batch"])
 
     def _tprm_estimate(self) -> Optional[float]:
         est = self.rollout.buffer.estimate()

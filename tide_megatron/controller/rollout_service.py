@@ -22,7 +22,8 @@ between rollout and the trainer take the same path (`move_to_trainer`, `return_t
 
 It also measures what ERS reads of the rollout side over each step (`ers_window`): the tokens
 of training groups that became ready, of evaluation trajectories, the time the staleness
-window's admission slots were full, and the CTB ranks' KV use.
+window's admission slots were full, the CTB ranks' KV use, and their decode iteration times
+(from the cumulative counters in their heartbeats, see `_on_decode_counters`).
 """
 
 from __future__ import annotations
@@ -61,8 +62,13 @@ KV_SAMPLE_S = 0.1
 POLL_INTERVAL_S = 0.005
 
 
+_DECODE_FIELDS = ("decode_iterations", "decode_s", "decode_seq_s", "decode_floor_iterations", "decode_floor_s")
+"""The `Heartbeat` decode counters rank 0 takes differences of."""
+
+
 def _empty_window() -> dict[str, float]:
-    return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_share_s": 0.0, "kv_s": 0.0}
+    return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_share_s": 0.0, "kv_s": 0.0,
+            "decode_iterations": 0, "decode_s": 0.0, "decode_seq_s": 0.0}
 
 
 class RunError(RuntimeError):
@@ -109,6 +115,8 @@ class RolloutService(threading.Thread):
         self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
         self._step_started: Optional[float] = None
         self._window = _empty_window()
+        self._decode_last: dict[int, tuple[int, tuple[float, ...]]] = {}  # rank -> (scheduler pid, counters)
+        self._floor = [0, 0.0]  # batch-of-one decode iterations and seconds, the whole run
         self._full_since: Optional[float] = None
         self._kv_share: Optional[float] = None  # CTB ranks' mean KV use at the last sample (None: unknown)
         self._kv_at = 0.0
@@ -238,6 +246,7 @@ class RolloutService(threading.Thread):
                 self.placement.on_turn(msg)
             elif isinstance(msg, Heartbeat):
                 self.health.on_heartbeat(msg.src, msg, now)
+                self._on_decode_counters(msg)
                 self._reconcile()
             elif isinstance(msg, RankReady):
                 self.engines[msg.src] = msg.engine
@@ -354,13 +363,43 @@ class RolloutService(threading.Thread):
     def ers_window(self, now: Optional[float] = None) -> dict[str, float]:
         """What ERS reads of rollout since the last call (then reset): tokens of training groups
         that became ready and of evaluation trajectories, seconds the admission slots were full,
-        and the mean KV use of the CTB ranks in service (0 without CTB)."""
+        the mean KV use of the CTB ranks in service (0 without CTB), and their decode:
+        `decode_iteration_s`, the mean decode iteration of the window (pooled over the ranks:
+        seconds / iterations); `mean_decode_batch`, the time-averaged sequences per iteration
+        (sum of batch size x seconds / seconds, as the simulator's); `decode_floor_s`, the mean
+        batch-of-one iteration of the whole run so far (rare under load, so not per window).
+        Each is 0 when nothing was measured (no CTB report yet, or no batch of one): ERS then
+        reads decode as unslowed. The window lags by up to a heartbeat plus a turn (the counters
+        travel in the plugin's report at each turn's end, then in the next heartbeat)."""
         now = time.monotonic() if now is None else now
         self._note_slots(now, self._full_since is not None)
         self._note_kv(now, force=True)
         w, self._window = self._window, _empty_window()
+        floor_n, floor_s = self._floor
         return {"fresh_tokens": w["fresh_tokens"], "eval_tokens": w["eval_tokens"], "slots_full_s": w["slots_full_s"],
-                "kv_used_fraction": w["kv_share_s"] / w["kv_s"] if w["kv_s"] else 0.0}
+                "kv_used_fraction": w["kv_share_s"] / w["kv_s"] if w["kv_s"] else 0.0,
+                "decode_iteration_s": w["decode_s"] / w["decode_iterations"] if w["decode_iterations"] else 0.0,
+                "mean_decode_batch": w["decode_seq_s"] / w["decode_s"] if w["decode_s"] > 0 else 0.0,
+                "decode_floor_s": floor_s / floor_n if floor_n else 0.0}
+
+    def _on_decode_counters(self, beat: Heartbeat) -> None:
+        """Book the decode a rank in service ran since its previous heartbeat. The counters are
+        cumulative per scheduler process: a new one (the engine restarted) or counts that went
+        down start afresh, so the new values are the difference. A rank out of service (moved
+        to the trainer, quarantined) only updates its last values."""
+        now = tuple(getattr(beat, f) for f in _DECODE_FIELDS)
+        prev = self._decode_last.get(beat.src)
+        self._decode_last[beat.src] = (beat.decode_engine_pid, now)
+        if beat.src not in self.quarantine.serving:
+            return
+        if prev is not None and prev[0] == beat.decode_engine_pid and now[0] >= prev[1][0]:
+            diff = dict(zip(_DECODE_FIELDS, (a - b for a, b in zip(now, prev[1]))))
+        else:
+            diff = dict(zip(_DECODE_FIELDS, now))
+        for f in ("decode_iterations", "decode_s", "decode_seq_s"):
+            self._window[f] += diff[f]
+        self._floor[0] += diff["decode_floor_iterations"]
+        self._floor[1] += diff["decode_floor_s"]
 
     def _note_slots(self, now: float, full: bool) -> None:
         if self._full_since is not None:

@@ -58,6 +58,42 @@ def test_plugin_runs_inside_the_scheduler_process(stack):
     assert none is None
 
 
+def test_the_plugin_times_decode_iterations_in_the_scheduler(stack):
+    """Every finished tagged request reports the engine's cumulative decode counters; one
+    request alone decodes in batches of one, so the floor is measured too."""
+    from sglang_patches.scheduler_hooks import DECODE_COUNTERS
+    from sglang_patches.task_tag import ADMIT, TaskTag
+    from tide_megatron.rollout.ctb_task_runner import generate_tagged
+
+    engine, _chat, _env = stack
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    reports = []
+    for i in range(2):
+        tag = TaskTag(ADMIT, f"decode/{i}", "decode", False, 1.0, 64, 32)
+        gen, report = _run(engine, generate_tagged(engine, list(range(30, 70)), sampling, tag, None))
+        assert len(gen.output_ids) == 8
+        reports.append(report)
+    first, second = reports
+    assert all(k in first for k in DECODE_COUNTERS)
+    # The report is written while the last decode's result is processed, before that iteration
+    # is booked: at least 6 of the 7 decode iterations of the request are in.
+    assert first["decode_iterations"] >= 6 and first["decode_seqs"] >= first["decode_iterations"]
+    assert 0 < first["decode_s"] / first["decode_iterations"] < 10.0
+    assert first["decode_floor_iterations"] >= 6 and first["decode_floor_s"] > 0
+    assert second["decode_iterations"] >= first["decode_iterations"] + 7  # cumulative
+    assert second["decode_floor_s"] > first["decode_floor_s"]
+    assert second["decode_seq_s"] >= second["decode_floor_s"]
+
+    async def together():
+        tags = [TaskTag(ADMIT, f"decode/b{i}", "decode", False, 1.0, 64, 32) for i in range(4)]
+        return await asyncio.gather(*(generate_tagged(engine, list(range(30 + i, 70 + i)), sampling, t, None)
+                                      for i, t in enumerate(tags)))
+
+    last = max((r for _gen, r in _run(engine, together())), key=lambda r: r["decode_iterations"])
+    iterations = last["decode_iterations"] - second["decode_iterations"]
+    assert iterations > 0 and (last["decode_seqs"] - second["decode_seqs"]) / iterations > 1  # batched decode
+
+
 class _PausingListener:
     """Tags turns like the dispatcher; pauses the task after `pause_after` turns and resumes it later."""
 

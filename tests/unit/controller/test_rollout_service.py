@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch.distributed as dist
@@ -116,7 +116,7 @@ class FakeSender:
 
 
 def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
-                 max_failed_groups=3, ranks=(1,)):
+                 max_failed_groups=3, ranks=(1,), start=True):
     mailbox = Mailbox(store, 0)
     buffer = GlobalBuffer(BufferConfig(group_size=G, b_min=G * groups_per_step, b_ideal=G * groups_per_step,
                                        max_staleness=1))
@@ -126,7 +126,8 @@ def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, st
                          groups_per_step=groups_per_step, max_staleness=1, max_task_retries=retries,
                          max_failed_groups=max_failed_groups, seed=0, start_version=0, health=health,
                          weight_sender=FakeSender(store))
-    svc.start()
+    if start:
+        svc.start()
     return svc
 
 
@@ -419,3 +420,57 @@ def test_the_kv_use_ers_reads_is_time_weighted_and_sampled_at_most_every_tenth_o
     window = svc.ers_window(now=104.0)  # (0.5 x 1 s + 0.9 x 3 s) / 4 s; samples 0.2 from here
     assert window["kv_used_fraction"] == pytest.approx(0.8)
     assert svc.ers_window(now=105.0)["kv_used_fraction"] == pytest.approx(0.2)
+def _decode_beat(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
+    return Heartbeat(generated_tokens=0, running_tokens=0, running_tasks=0, env_steps=0,
+                     decode_iterations=iterations, decode_s=seconds, decode_seqs=0, decode_seq_s=seq_s,
+                     decode_floor_iterations=floor_n, decode_floor_s=floor_s, decode_engine_pid=pid)
+
+
+def test_ers_window_takes_differences_of_the_ranks_cumulative_decode_counters(store):
+    """Driven by hand (the service thread is not started): heartbeats in, `_pump`, `ers_window`."""
+    svc = make_service(store, ranks=(1, 2), start=False)
+    r1, r2 = Mailbox(store, 1), Mailbox(store, 2)
+    # Nothing decoded, no batch of one: unmeasured (0), so ERS reads decode as unslowed.
+    r1.post(0, _decode_beat(0, 0.0, 0.0))
+    svc._pump()
+    w = svc.ers_window()
+    assert (w["decode_iteration_s"], w["decode_floor_s"], w["mean_decode_batch"]) == (0.0, 0.0, 0.0)
+    # Rank 1's first counters count whole; rank 2 ran 10 iterations of 4 sequences at 0.05 s.
+    r1.post(0, _decode_beat(10, 0.2, 0.2, floor_n=10, floor_s=0.2))
+    r2.post(0, _decode_beat(10, 0.5, 2.0, pid=200))
+    svc._pump()
+    w = svc.ers_window()
+    assert w["decode_iteration_s"] == pytest.approx(0.7 / 20)
+    assert w["mean_decode_batch"] == pytest.approx(2.2 / 0.7)
+    assert w["decode_floor_s"] == pytest.approx(0.02)
+    # Next window: rank 1 ran 10 more (batch 8, 0.1 s each); rank 2's engine restarted: its
+    # counters went down, so its new values are the difference.
+    r1.post(0, _decode_beat(20, 1.2, 8.2, floor_n=10, floor_s=0.2))
+    r2.post(0, _decode_beat(5, 0.5, 1.0, pid=200))
+    svc._pump()
+    w = svc.ers_window()
+    assert w["decode_iteration_s"] == pytest.approx(1.5 / 15)
+    assert w["mean_decode_batch"] == pytest.approx(9.0 / 1.5)
+    assert w["decode_floor_s"] == pytest.approx(0.02)  # the run's floor, not this window's
+    # A new scheduler whose counters already exceed the old ones is still a restart (its pid).
+    r2.post(0, _decode_beat(30, 0.6, 0.6, floor_n=30, floor_s=0.6, pid=300))
+    svc._pump()
+    w = svc.ers_window()
+    assert w["decode_iteration_s"] == pytest.approx(0.02)
+    assert w["decode_floor_s"] == pytest.approx(0.8 / 40)
+
+
+def test_a_rank_out_of_service_books_no_decode_and_resumes_from_its_last_counters(store):
+    svc = make_service(store, ranks=(1, 2), start=False)
+    r1 = Mailbox(store, 1)
+    r1.post(0, _decode_beat(10, 0.5, 0.5))
+    svc._pump()
+    svc.ers_window()
+    svc.quarantine.put_out(1, "test", time.monotonic(), kind="trainer")
+    r1.post(0, _decode_beat(30, 1.5, 1.5))
+    svc._pump()
+    assert svc.ers_window()["decode_iteration_s"] == 0.0
+    del svc.quarantine.out[1]  # back in service
+    r1.post(0, _decode_beat(40, 2.5, 2.5))
+    svc._pump()
+    assert svc.ers_window()["decode_iteration_s"] == pytest.approx(0.1)

@@ -30,3 +30,20 @@ def test_entry_point_is_registered_in_sglangs_plugin_group():
 
     eps = {ep.name: ep.value for ep in entry_points(group=GENERAL_PLUGINS_GROUP)}
     assert eps.get("tide_ctb") == "sglang_patches.plugin:load"
+
+
+def test_decode_timing_hook_is_pinned_to_the_result_processing_and_the_launch_clock():
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    target = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+    assert str(inspect.signature(Scheduler.process_batch_result)) == plugin.HOOKED_SIGNATURES[target]
+    assert list(inspect.signature(Scheduler.process_batch_result).parameters) == ["self", "batch", "result"]
+    assert "batch.launch_ts = time.monotonic()" in inspect.getsource(inspect.unwrap(Scheduler.run_batch))
+
+
+def test_plugin_refuses_when_run_batch_changes_its_launch_clock(monkeypatch):
+    monkeypatch.setitem(plugin._SOURCE_FACTS, next(iter(plugin._SOURCE_FACTS)), "batch.launch_ts = time.perf_counter()")
+    with pytest.raises(plugin.SGLangVersionMismatch, match="no longer contains"):
+        plugin.load()

@@ -142,3 +142,47 @@ def test_session_release_caches_only_finished_ctb_sessions(monkeypatch):
     assert calls == ["r-a"] and h.STATE.released_cached_tokens == 42 and "s-a" not in h.STATE.ctb_sessions
     h.before_session_release(controller, "s-a")  # once per session
     assert calls == ["r-a"]
+
+
+class _Mode:
+    def __init__(self, decode):
+        self.decode = decode
+
+    def is_decode(self):
+        return self.decode
+
+
+def _batch(decode, size, launched):
+    return SimpleNamespace(forward_mode=_Mode(decode), reqs=[object()] * size, launch_ts=launched)
+
+
+def test_decode_timing_counts_decode_batches_only_from_launch_or_the_previous_result(monkeypatch):
+    clock = iter([10.0, 10.5, 11.25, 11.5, 13.0])
+    monkeypatch.setattr(h.time, "monotonic", lambda: next(clock))
+    h.after_process_batch_result(None, None, _batch(False, 3, 9.0))  # prefill ends at 10.0: not counted
+    h.after_process_batch_result(None, None, _batch(True, 1, 10.1))  # launched after it: 10.1 -> 10.5
+    # Overlapped: launched (10.2) before the previous result was processed (10.5) -> 10.5 -> 11.25.
+    h.after_process_batch_result(None, None, _batch(True, 2, 10.2))
+    h.after_process_batch_result(None, None, _batch(True, 0, 11.3))  # nothing decoded
+    h.after_process_batch_result(None, None, _batch(True, 1, 12.0))  # after an idle spell: 12.0 -> 13.0
+    s = h.STATE
+    assert (s.decode_iterations, s.decode_seqs) == (3, 4)
+    assert s.decode_s == pytest.approx(0.4 + 0.75 + 1.0)
+    assert s.decode_seq_s == pytest.approx(0.4 + 2 * 0.75 + 1.0)
+    assert (s.decode_floor_iterations, s.decode_floor_s) == (2, pytest.approx(1.4))
+
+
+def test_the_report_carries_the_cumulative_decode_counters():
+    class Req(SimpleNamespace):
+        def finished(self):
+            return True
+
+    h.STATE.record_decode(1, 0.02)
+    h.STATE.record_decode(4, 0.05)
+    tagged = _req(_tag(TURN, "a/0", 1.0))
+    r = Req(rid=tagged.rid, origin_input_ids=[1] * 4, output_ids=[2], customized_info=None)
+    h.before_stream_output(SimpleNamespace(tree_cache=None), [r], False)
+    (report,) = r.customized_info[h.REPORT_KEY]
+    assert {k: report[k] for k in h.DECODE_COUNTERS} == pytest.approx(
+        {"decode_iterations": 2, "decode_s": 0.07, "decode_seqs": 5, "decode_seq_s": 0.22,
+         "decode_floor_iterations": 1, "decode_floor_s": 0.02})
