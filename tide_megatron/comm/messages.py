@@ -187,6 +187,8 @@ class TurnEvent(Message):
     phase: str
     context_tokens: int
     report: Optional[dict[str, Any]] = None
+    """The `tide_ctb` plugin's report of a finished turn: the task's context, the engine's KV
+    state and its cumulative decode counters (`sglang_patches.scheduler_hooks`)."""
 
 
 @dataclass
@@ -267,24 +269,6 @@ class Heartbeat(Message):
     busy_s: float = 0.0
     """Seconds with at least one task running, since start."""
     idle_s: float = 0.0
-    # The engine's decode counters, cumulative since its scheduler started (a restarted engine
-    # starts again from 0), as the `tide_ctb` plugin last reported them (names of
-    # `sglang_patches.scheduler_hooks.DECODE_COUNTERS`); all 0 before the first tagged request
-    # finished, or without CTB. Rank 0 takes differences (`controller/decode_meter.py`).
-    decode_iterations: int = 0
-    """Decode iterations (batches) run."""
-    decode_s: float = 0.0
-    """Their seconds."""
-    decode_seqs: int = 0
-    """Sum of their batch sizes (sequences)."""
-    decode_seq_s: float = 0.0
-    """Sum of batch size x seconds."""
-    decode_floor_iterations: int = 0
-    """Decode iterations with a batch of one."""
-    decode_floor_s: float = 0.0
-    """Their seconds."""
-    decode_engine_pid: int = 0
-    """Process id of the scheduler the counters come from (a new one: its counters restarted)."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ between rollout and the trainer take the same path (`move_to_trainer`, `return_t
 It also measures what ERS reads of the rollout side over each step (`ers_window`): the tokens
 of training groups that became ready, of evaluation trajectories, the time the staleness
 window's admission slots were full, the CTB ranks' KV use, and their decode iteration times
-(from the cumulative counters in their heartbeats, see `_on_decode_counters`).
+(from the cumulative counters in each finished turn's plugin report, `_on_decode_counters`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ POLL_INTERVAL_S = 0.005
 
 
 _DECODE_FIELDS = ("decode_iterations", "decode_s", "decode_seq_s", "decode_floor_iterations", "decode_floor_s")
-"""The `Heartbeat` decode counters rank 0 takes differences of."""
+"""The plugin report's decode counters rank 0 takes differences of
+(`sglang_patches.scheduler_hooks.DECODE_COUNTERS`)."""
 
 
 def _empty_window() -> dict[str, float]:
@@ -231,6 +232,8 @@ class RolloutService(threading.Thread):
         """Book every message that arrived; returns when the mailbox was read."""
         now = time.monotonic()
         for msg in self.mailbox.poll():
+            if isinstance(msg, TurnEvent) and msg.report:  # out of service too: its last counters
+                self._on_decode_counters(msg.src, msg.report)
             if self.quarantine.handles(msg, now):  # a quarantined rank's, or a weight confirmation
                 continue
             if isinstance(msg, TrajectoryDone):
@@ -246,7 +249,6 @@ class RolloutService(threading.Thread):
                 self.placement.on_turn(msg)
             elif isinstance(msg, Heartbeat):
                 self.health.on_heartbeat(msg.src, msg, now)
-                self._on_decode_counters(msg)
                 self._reconcile()
             elif isinstance(msg, RankReady):
                 self.engines[msg.src] = msg.engine
@@ -369,8 +371,8 @@ class RolloutService(threading.Thread):
         (sum of batch size x seconds / seconds, as the simulator's); `decode_floor_s`, the mean
         batch-of-one iteration of the whole run so far (rare under load, so not per window).
         Each is 0 when nothing was measured (no CTB report yet, or no batch of one): ERS then
-        reads decode as unslowed. The window lags by up to a heartbeat plus a turn (the counters
-        travel in the plugin's report at each turn's end, then in the next heartbeat)."""
+        reads decode as unslowed. The window lags by up to a turn (the counters travel in the
+        plugin's report at each turn's end)."""
         now = time.monotonic() if now is None else now
         self._note_slots(now, self._full_since is not None)
         self._note_kv(now, force=True)
@@ -382,20 +384,23 @@ class RolloutService(threading.Thread):
                 "mean_decode_batch": w["decode_seq_s"] / w["decode_s"] if w["decode_s"] > 0 else 0.0,
                 "decode_floor_s": floor_s / floor_n if floor_n else 0.0}
 
-    def _on_decode_counters(self, beat: Heartbeat) -> None:
-        """Book the decode a rank in service ran since its previous heartbeat. The counters are
-        cumulative per scheduler process: a new one (the engine restarted) or counts that went
-        down start afresh, so the new values are the difference. A rank out of service (moved
-        to the trainer, quarantined) only updates its last values."""
-        now = tuple(getattr(beat, f) for f in _DECODE_FIELDS)
-        prev = self._decode_last.get(beat.src)
-        self._decode_last[beat.src] = (beat.decode_engine_pid, now)
-        if beat.src not in self.quarantine.serving:
+    def _on_decode_counters(self, rank: int, report: dict[str, Any]) -> None:
+        """Book the decode a rank in service ran since its previous turn report. The counters
+        are cumulative per scheduler process (`pid`): a new process (the engine restarted)
+        starts afresh, so its values are the difference; a report of the same process with
+        fewer iterations is an older one that arrived late and is skipped. A rank out of
+        service (moved to the trainer, quarantined) only updates its last values."""
+        if "decode_iterations" not in report:
             return
-        if prev is not None and prev[0] == beat.decode_engine_pid and now[0] >= prev[1][0]:
-            diff = dict(zip(_DECODE_FIELDS, (a - b for a, b in zip(now, prev[1]))))
-        else:
-            diff = dict(zip(_DECODE_FIELDS, now))
+        pid, now = report.get("pid", 0), tuple(report[f] for f in _DECODE_FIELDS)
+        prev = self._decode_last.get(rank)
+        same = prev is not None and prev[0] == pid
+        if same and now[0] < prev[1][0]:
+            return
+        self._decode_last[rank] = (pid, now)
+        if rank not in self.quarantine.serving:
+            return
+        diff = dict(zip(_DECODE_FIELDS, (a - b for a, b in zip(now, prev[1])) if same else now))
         for f in ("decode_iterations", "decode_s", "decode_seq_s"):
             self._window[f] += diff[f]
         self._floor[0] += diff["decode_floor_iterations"]

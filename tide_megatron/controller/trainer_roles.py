@@ -46,6 +46,7 @@ policy (and no loan, at cold start or for an evaluation, runs with it).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional
 
@@ -170,14 +171,15 @@ class TrainerRoles:
             return {}
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step)
-        if self.cfg.drill_every or not (expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval):
-            return self._carry_out(plan, step)
+        # what ERS read and concluded (rates, shares, decode slowdown, target split), for the logs
+        signals = {f"ers/{k}": v for k, v in plan.extras.items() if math.isfinite(v)}
         keep = self.ers.eval_trainer_ranks(expected_eval_s)
-        if keep >= len(plan.trainer_ranks):
-            return self._carry_out(plan, step)
+        if self.cfg.drill_every or not (expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval) \
+                or keep >= len(plan.trainer_ranks):
+            return {**signals, **self._carry_out(plan, step)}
         loan = self.ers.preemptive_plan(plan, keep_trainer_ranks=keep, reason=(
             f"evaluation expected to take {expected_eval_s:.1f} s; {keep} trainer rank(s) finish the step within it"))
-        return self._carry_out(loan, step, reactive=plan)
+        return {**signals, **self._carry_out(loan, step, reactive=plan)}
 
     def _carry_out(self, plan: RolePlan, step: int, reactive: Optional[RolePlan] = None) -> dict[str, float]:
         """Move the ranks to `plan` (module docstring, steps 1-3). `reactive`: `plan` is a loan

@@ -11,8 +11,6 @@ stops it before its next turn and releases its SGLang session.
 Heartbeats carry the rank's own count of generated tokens, the tokens of tasks still running,
 and what the longest-waiting tasks wait for: the controller reconciles its ledger against the
 first (a vanished task shows up as lost tokens) and names the second when a run stalls.
-They also carry the engine's cumulative decode counters from the `tide_ctb` plugin's latest
-report (iterations, seconds, batch sizes, batch-of-one iterations), for ERS's decode slowdown.
 
 On `LoadWeights` the rank receives the weights from the sender the message names (point to
 point, in a thread, so running tasks keep going; see `weight_sync.py`) and loads them into its
@@ -47,7 +45,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from sglang_patches.scheduler_hooks import DECODE_COUNTERS
 from sglang_patches.task_tag import TaskTag
 from tide_megatron.rollout.ctb_carrier import TagFields
 from tide_megatron.comm import weight_sync
@@ -131,7 +128,6 @@ class RolloutWorker:
         self._busy_since: Optional[float] = None
         self._generated = 0  # tokens generated here, every task (the ledger's independent count)
         self._env_steps = 0
-        self._decode: dict[str, Any] = {}  # the engine's decode counters, latest plugin report
         self._cancel_all_epoch: Optional[int] = None
         """A `CancelAll` whose tasks are still ending (answered once none is left)."""
         self._handoff: Optional[list] = None
@@ -355,18 +351,7 @@ class RolloutWorker:
         busy, idle = self._busy_idle()
         self.mailbox.post(CONTROLLER, Heartbeat(
             generated_tokens=self._generated, running_tokens=sum(t.generated for t in self._tasks.values()),
-            running_tasks=len(self._tasks), env_steps=self._env_steps, waiting=waiting, busy_s=busy, idle_s=idle,
-            **self._decode))
-
-    def _note_decode(self, report: Optional[dict[str, Any]]) -> None:
-        """Keep the newest decode counters of the engine's scheduler from a plugin report."""
-        if not report or "decode_iterations" not in report:
-            return
-        pid = int(report.get("pid", 0))
-        if pid == self._decode.get("decode_engine_pid") and \
-                report["decode_iterations"] < self._decode["decode_iterations"]:
-            return  # an older report of the same scheduler, answered after a newer one
-        self._decode = {**{k: report[k] for k in DECODE_COUNTERS}, "decode_engine_pid": pid}
+            running_tasks=len(self._tasks), env_steps=self._env_steps, waiting=waiting, busy_s=busy, idle_s=idle))
 
     async def _load_weights(self, manifest: weight_sync.WeightManifest, sender: int) -> None:
         loop = asyncio.get_running_loop()
@@ -424,7 +409,6 @@ class _Listener:
         task.generated += new
         self.worker._generated += new
         task.state, task.since = "env step", time.monotonic()
-        self.worker._note_decode(report)
         if task.tag is not None:
             self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
         if task.cancel_reason is not None:  # cancelled while this turn generated: stop here

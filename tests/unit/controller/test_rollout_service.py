@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import (AllCancelled, CancelAll, CancelTask, Heartbeat, LoadWeights, RankReady, RunTask,
-                                         Stop, TaskCancelled, TaskFailed, TrajectoryDone, WeightsLoaded)
+                                         Stop, TaskCancelled, TaskFailed, TrajectoryDone, TurnEvent, WeightsLoaded)
 from tide_megatron.comm.weight_sync import Send
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
@@ -420,40 +420,43 @@ def test_the_kv_use_ers_reads_is_time_weighted_and_sampled_at_most_every_tenth_o
     window = svc.ers_window(now=104.0)  # (0.5 x 1 s + 0.9 x 3 s) / 4 s; samples 0.2 from here
     assert window["kv_used_fraction"] == pytest.approx(0.8)
     assert svc.ers_window(now=105.0)["kv_used_fraction"] == pytest.approx(0.2)
-def _decode_beat(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
-    return Heartbeat(generated_tokens=0, running_tokens=0, running_tasks=0, env_steps=0,
-                     decode_iterations=iterations, decode_s=seconds, decode_seqs=0, decode_seq_s=seq_s,
-                     decode_floor_iterations=floor_n, decode_floor_s=floor_s, decode_engine_pid=pid)
+def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
+    """A finished turn's plugin report with the engine's cumulative decode counters."""
+    return TurnEvent("g0/0", "finished", 10, report={
+        "pid": pid, "decode_iterations": iterations, "decode_s": seconds, "decode_seqs": 0, "decode_seq_s": seq_s,
+        "decode_floor_iterations": floor_n, "decode_floor_s": floor_s})
 
 
 def test_ers_window_takes_differences_of_the_ranks_cumulative_decode_counters(store):
-    """Driven by hand (the service thread is not started): heartbeats in, `_pump`, `ers_window`."""
+    """Driven by hand (the service thread is not started): turn reports in, `_pump`, `ers_window`."""
     svc = make_service(store, ranks=(1, 2), start=False)
     r1, r2 = Mailbox(store, 1), Mailbox(store, 2)
     # Nothing decoded, no batch of one: unmeasured (0), so ERS reads decode as unslowed.
-    r1.post(0, _decode_beat(0, 0.0, 0.0))
+    r1.post(0, _decode_turn(0, 0.0, 0.0))
     svc._pump()
     w = svc.ers_window()
     assert (w["decode_iteration_s"], w["decode_floor_s"], w["mean_decode_batch"]) == (0.0, 0.0, 0.0)
     # Rank 1's first counters count whole; rank 2 ran 10 iterations of 4 sequences at 0.05 s.
-    r1.post(0, _decode_beat(10, 0.2, 0.2, floor_n=10, floor_s=0.2))
-    r2.post(0, _decode_beat(10, 0.5, 2.0, pid=200))
+    r1.post(0, _decode_turn(10, 0.2, 0.2, floor_n=10, floor_s=0.2))
+    r2.post(0, _decode_turn(10, 0.5, 2.0, pid=200))
     svc._pump()
     w = svc.ers_window()
     assert w["decode_iteration_s"] == pytest.approx(0.7 / 20)
     assert w["mean_decode_batch"] == pytest.approx(2.2 / 0.7)
     assert w["decode_floor_s"] == pytest.approx(0.02)
-    # Next window: rank 1 ran 10 more (batch 8, 0.1 s each); rank 2's engine restarted: its
-    # counters went down, so its new values are the difference.
-    r1.post(0, _decode_beat(20, 1.2, 8.2, floor_n=10, floor_s=0.2))
-    r2.post(0, _decode_beat(5, 0.5, 1.0, pid=200))
+    # Next window: rank 1 ran 10 more (batch 8, 0.1 s each), then an older report of its
+    # scheduler arrives late (skipped); rank 2's engine restarted (a new scheduler process):
+    # its new values are the difference.
+    r1.post(0, _decode_turn(20, 1.2, 8.2, floor_n=10, floor_s=0.2))
+    r1.post(0, _decode_turn(15, 0.7, 4.2, floor_n=10, floor_s=0.2))
+    r2.post(0, _decode_turn(5, 0.5, 1.0, pid=201))
     svc._pump()
     w = svc.ers_window()
     assert w["decode_iteration_s"] == pytest.approx(1.5 / 15)
     assert w["mean_decode_batch"] == pytest.approx(9.0 / 1.5)
     assert w["decode_floor_s"] == pytest.approx(0.02)  # the run's floor, not this window's
     # A new scheduler whose counters already exceed the old ones is still a restart (its pid).
-    r2.post(0, _decode_beat(30, 0.6, 0.6, floor_n=30, floor_s=0.6, pid=300))
+    r2.post(0, _decode_turn(30, 0.6, 0.6, floor_n=30, floor_s=0.6, pid=300))
     svc._pump()
     w = svc.ers_window()
     assert w["decode_iteration_s"] == pytest.approx(0.02)
@@ -463,14 +466,14 @@ def test_ers_window_takes_differences_of_the_ranks_cumulative_decode_counters(st
 def test_a_rank_out_of_service_books_no_decode_and_resumes_from_its_last_counters(store):
     svc = make_service(store, ranks=(1, 2), start=False)
     r1 = Mailbox(store, 1)
-    r1.post(0, _decode_beat(10, 0.5, 0.5))
+    r1.post(0, _decode_turn(10, 0.5, 0.5))
     svc._pump()
     svc.ers_window()
     svc.quarantine.put_out(1, "test", time.monotonic(), kind="trainer")
-    r1.post(0, _decode_beat(30, 1.5, 1.5))
+    r1.post(0, _decode_turn(30, 1.5, 1.5))
     svc._pump()
     assert svc.ers_window()["decode_iteration_s"] == 0.0
     del svc.quarantine.out[1]  # back in service
-    r1.post(0, _decode_beat(40, 2.5, 2.5))
+    r1.post(0, _decode_turn(40, 2.5, 2.5))
     svc._pump()
     assert svc.ers_window()["decode_iteration_s"] == pytest.approx(0.1)

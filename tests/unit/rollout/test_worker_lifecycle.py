@@ -121,26 +121,3 @@ def test_cancel_all_answers_for_tasks_that_never_started():
     assert [type(m).__name__ for m in answers] == ["TaskCancelled", "TaskCancelled", "AllCancelled"]
     assert {m.task_id for m in answers[:2]} == {a.trajectory_id for a in stale} and answers[2].epoch == 3
     assert worker._tasks == {}
-
-
-def test_heartbeats_carry_the_newest_decode_counters_of_the_engines_reports():
-    mailbox = FakeMailbox()
-    worker = worker_mod.RolloutWorker(1, FakeEngine(), TaskRunnerConfig(), types.SimpleNamespace(), env=None,
-                                      mailbox=mailbox, job_group=None)
-    task = worker_mod._Task(TaskAssignment(task={"task_id": "t0"}, group_id="g0", index=0), handle=None, tag=None)
-    listener = worker_mod._Listener(worker, task)
-
-    def report(pid, iterations):
-        return {"pid": pid, "decode_iterations": iterations, "decode_s": iterations * 0.01, "decode_seqs": 2 * iterations,
-                "decode_seq_s": iterations * 0.02, "decode_floor_iterations": 1, "decode_floor_s": 0.005}
-
-    worker._heartbeat()
-    assert mailbox.sent[-1].decode_iterations == 0  # no report yet: nothing measured
-    for r in (report(7, 10), report(7, 4), None):  # a late, older report of the same scheduler is ignored
-        listener.turn_finished("g0/0", 10, r)
-    worker._heartbeat()
-    beat = mailbox.sent[-1]
-    assert isinstance(beat, Heartbeat) and (beat.decode_iterations, beat.decode_seqs, beat.decode_engine_pid) == (10, 20, 7)
-    listener.turn_finished("g0/0", 10, report(8, 3))  # a new scheduler (the engine restarted) starts over
-    worker._heartbeat()
-    assert (mailbox.sent[-1].decode_iterations, mailbox.sent[-1].decode_engine_pid) == (3, 8)
