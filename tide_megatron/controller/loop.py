@@ -206,7 +206,7 @@ class Controller:
         # ERS plans after the update and before the weight sync (roles change on its boundary);
         # after the last step no step follows to use new roles.
         ers = self.roles.after_update(self.step, self._ers_measurements(outcome, twt, train_s),
-                                      self.trainer.selector.cost_inputs()[0],
+                                      *self.trainer.selector.cost_inputs(),
                                       expected_eval_s=self._eval_s if self._eval_due() else 0.0) \
             if self.roles.enabled and not self._last_step_done() else {}
         # The weights go out before admission resumes under the new version: a rank reads its

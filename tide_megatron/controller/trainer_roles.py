@@ -163,14 +163,16 @@ class TrainerRoles:
                                         reason="cold start")
         return self._carry_out(loan, step=0, reactive=self.plan)
 
-    def after_update(self, step: int, m: ERSMeasurements, times, expected_eval_s: float = 0.0) -> dict[str, float]:
-        """Plan the next step's roles and move to them; returns metrics for the step.
-        `expected_eval_s`: an evaluation starts at this boundary and is expected to take this
-        long (0: none starts, or its length is not measured yet)."""
+    def after_update(self, step: int, m: ERSMeasurements, times, ra2p=None,
+                     expected_eval_s: float = 0.0) -> dict[str, float]:
+        """Plan the next step's roles and move to them; returns metrics for the step. `times`,
+        `ra2p`: RA2P's cost inputs as the trainer's mode selector measured them
+        (`ModeSelector.cost_inputs`); `expected_eval_s`: an evaluation starts at this boundary
+        and is expected to take this long (0: none starts, or its length is not measured yet)."""
         if not self.enabled:
             return {}
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
-        plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step)
+        plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
         # what ERS read and concluded (rates, shares, decode slowdown, target split), for the logs
         signals = {f"ers/{k}": v for k, v in plan.extras.items() if math.isfinite(v)}
         keep = self.ers.eval_trainer_ranks(expected_eval_s)

@@ -203,12 +203,13 @@ class ERSController:
         return RolePlan(roles, RA2PMode.COLOCATED, reason="initial split", step=-1, changed=True)
 
     def plan(self, current: RolePlan, m: ERSMeasurements, times: MicroBatchTimes, *, step: int,
-             rollout_load: Optional[Mapping[int, float]] = None) -> RolePlan:
+             rollout_load: Optional[Mapping[int, float]] = None, ra2p: Optional[RA2PConfig] = None) -> RolePlan:
         """The role plan for the next step from the window's measurements (module docstring).
 
         `current`: the reactive plan in force (not a loan). `times`: RA2P's per-micro-batch
         compute times (measured by the executors). `rollout_load`: resident tokens per rollout
-        rank, to pick which rank to reclaim.
+        rank, to pick which rank to reclaim. `ra2p`: the cost model with its measured values
+        (the swap cost), where the caller measures them; else the one given at construction.
         """
         self._check(current)
         if not self.config.enabled:
@@ -221,7 +222,7 @@ class ERSController:
             n_roll, why = r_now, f"cooldown after the move at step {self.last_move_step} ({why})"
         if n_roll != r_now:
             self.last_move_step = step
-        layout = self._layout(self.world_size - n_roll, m, times)
+        layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p)
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
                   "trainer_rate": self.trainer_rate or 0.0, "rollout_rate": self.rollout_rate or 0.0,
@@ -309,11 +310,12 @@ class ERSController:
     def _move(self, r_now: int, direction: int) -> int:
         return self._clamp_rollout(r_now + direction * min(1, self.config.max_moves_per_step))
 
-    def _layout(self, trainer_ranks: int, m: ERSMeasurements, times: MicroBatchTimes) -> TrainerLayout:
+    def _layout(self, trainer_ranks: int, m: ERSMeasurements, times: MicroBatchTimes,
+                ra2p: RA2PConfig) -> TrainerLayout:
         if not self.step_tokens:
             return TrainerLayout(RA2PMode.COLOCATED, trainer_ranks, 0, math.nan, math.nan, 1)
         return trainer_layout(trainer_ranks, ras_tokens=m.ras_tokens, arrival_tokens_per_s=m.arrival_tokens_per_s,
-                              step_tokens=self.step_tokens, times=times, cfg=self.ra2p)
+                              step_tokens=self.step_tokens, times=times, cfg=ra2p)
 
     # ------------------------------------------------------------------ roles
     def _clamp_rollout(self, n_roll: int) -> int:

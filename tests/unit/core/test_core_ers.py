@@ -146,6 +146,11 @@ def test_layout_decouples_a_backlog_and_colocates_a_sparse_stream_when_swaps_are
     cheap = ERSController(ERSConfig(), 8, RA2PConfig(tokens_per_rank=1000, swap_cost_s=0.1, pipeline_fill_s=0.5))
     sparse = cheap.plan(cur, measure(trainer=4, rollout=4, ras=0, rate=100), TIMES, step=0)
     assert sparse.mode is RA2PMode.COLOCATED and sparse.trainer_ranks == [0, 1, 2, 3]
+    # the caller's measured cost model wins over the one given at construction: with swaps
+    # measured at 20 s, the same controller decouples the same sparse stream
+    measured = RA2PConfig(tokens_per_rank=1000, swap_cost_s=20.0, pipeline_fill_s=0.5)
+    dear = cheap.plan(cur, measure(trainer=4, rollout=4, ras=0, rate=100), TIMES, step=1, ra2p=measured)
+    assert dear.mode is RA2PMode.DECOUPLED
 
 
 def test_preemptive_plan_lends_trainer_ranks_and_eval_keeps_what_the_step_needs():
