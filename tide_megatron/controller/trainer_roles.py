@@ -221,8 +221,6 @@ class TrainerRoles:
         self.plan = keep
         self.changes += 1
         self.moves += len(joining) + len(leaving)
-        if joining or leaving:  # a rollout scale-down starts the buffer's adaptive retention
-            self.rollout.call(lambda: self.rollout.buffer.notify_rollout_scaled(len(leaving) - len(joining)))
         logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",
                     step, new.dp_size, list(new.ref_ranks) or "none (actors hold it)",
                     [r for r in range(self.world) if r not in after], plan.reason, critical)

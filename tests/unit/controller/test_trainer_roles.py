@@ -116,8 +116,6 @@ class FakeRollout:
         self.quarantine = SimpleNamespace(serving=list(serving))
         self.events = events
         self.moved: set[int] = set()
-        self.scaled: list[int] = []  # rollout rank count changes told to the buffer
-        self.buffer = SimpleNamespace(notify_rollout_scaled=self.scaled.append)
 
     def call(self, fn, timeout_s=600.0):
         return fn()
@@ -248,8 +246,8 @@ def test_no_cold_start_loan_with_a_drill_or_when_turned_off():
 def test_an_evaluation_step_lends_the_trainer_ranks_the_step_does_not_need_and_gets_them_back():
     """Measured: 300 tokens a step at 100 tokens per trainer-rank-second. An evaluation expected
     to take 2 s needs ceil(300 / (100 x 2)) = 2 trainer ranks for the step to end within it, so
-    rank 2 rolls out during the evaluation step (a rollout scale-up, then a scale-down the
-    buffer is told of) and the next boundary returns to the reactive plan."""
+    rank 2 rolls out during the evaluation step and the next boundary returns to the reactive
+    plan."""
     layout = GroupLayout(4, 1)
     topo = SimpleNamespace(trainer_ranks=[0, 1, 2], ref_ranks=[], rollout_ranks=[3], world_size=4)
     worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1, 2], []))
@@ -266,12 +264,12 @@ def test_an_evaluation_step_lends_the_trainer_ranks_the_step_does_not_need_and_g
     assert short["ers/lent_ranks"] == 0 and worker.applied == [] and events == []
     lent = roles.after_update(2, m, times, expected_eval_s=2.0)
     assert events == [("return_to_rollout", 2)] and worker.assignment.actor_ranks == (0, 1)
-    assert lent["ers/lent_ranks"] == 1 and lent["ers/moves"] == 1 and rollout.scaled == [1]
+    assert lent["ers/lent_ranks"] == 1 and lent["ers/moves"] == 1
     assert roles.plan.trainer_ranks == [0, 1, 2]  # the reactive plan is what ERS goes on from
     events.clear()
     back = roles.after_update(3, m, times)
     assert events == [("move_to_trainer", 2)] and worker.assignment.actor_ranks == (0, 1, 2)
-    assert back["ers/lent_ranks"] == 0 and rollout.scaled == [1, -1]
+    assert back["ers/lent_ranks"] == 0
 
 
 def test_no_evaluation_loan_when_turned_off_or_during_a_drill():
