@@ -427,53 +427,44 @@ def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
         "decode_floor_iterations": floor_n, "decode_floor_s": floor_s})
 
 
+def _window_after(svc, store, *turns):
+    """Post (rank, turn report) in order, let the service read them, and take ERS's window."""
+    for rank, turn in turns:
+        Mailbox(store, rank).post(0, turn)
+    svc._pump()
+    return svc.ers_window()
+
+
 def test_ers_window_takes_differences_of_the_ranks_cumulative_decode_counters(store):
     """Driven by hand (the service thread is not started): turn reports in, `_pump`, `ers_window`."""
     svc = make_service(store, ranks=(1, 2), start=False)
-    r1, r2 = Mailbox(store, 1), Mailbox(store, 2)
     # Nothing decoded, no batch of one: unmeasured (0), so ERS reads decode as unslowed.
-    r1.post(0, _decode_turn(0, 0.0, 0.0))
-    svc._pump()
-    w = svc.ers_window()
+    w = _window_after(svc, store, (1, _decode_turn(0, 0.0, 0.0)))
     assert (w["decode_iteration_s"], w["decode_floor_s"], w["mean_decode_batch"]) == (0.0, 0.0, 0.0)
     # Rank 1's first counters count whole; rank 2 ran 10 iterations of 4 sequences at 0.05 s.
-    r1.post(0, _decode_turn(10, 0.2, 0.2, floor_n=10, floor_s=0.2))
-    r2.post(0, _decode_turn(10, 0.5, 2.0, pid=200))
-    svc._pump()
-    w = svc.ers_window()
+    w = _window_after(svc, store, (1, _decode_turn(10, 0.2, 0.2, floor_n=10, floor_s=0.2)),
+                      (2, _decode_turn(10, 0.5, 2.0, pid=200)))
     assert w["decode_iteration_s"] == pytest.approx(0.7 / 20)
     assert w["mean_decode_batch"] == pytest.approx(2.2 / 0.7)
     assert w["decode_floor_s"] == pytest.approx(0.02)
     # Next window: rank 1 ran 10 more (batch 8, 0.1 s each), then an older report of its
     # scheduler arrives late (skipped); rank 2's engine restarted (a new scheduler process):
     # its new values are the difference.
-    r1.post(0, _decode_turn(20, 1.2, 8.2, floor_n=10, floor_s=0.2))
-    r1.post(0, _decode_turn(15, 0.7, 4.2, floor_n=10, floor_s=0.2))
-    r2.post(0, _decode_turn(5, 0.5, 1.0, pid=201))
-    svc._pump()
-    w = svc.ers_window()
+    w = _window_after(svc, store, (1, _decode_turn(20, 1.2, 8.2, floor_n=10, floor_s=0.2)),
+                      (1, _decode_turn(15, 0.7, 4.2, floor_n=10, floor_s=0.2)), (2, _decode_turn(5, 0.5, 1.0, pid=201)))
     assert w["decode_iteration_s"] == pytest.approx(1.5 / 15)
     assert w["mean_decode_batch"] == pytest.approx(9.0 / 1.5)
     assert w["decode_floor_s"] == pytest.approx(0.02)  # the run's floor, not this window's
     # A new scheduler whose counters already exceed the old ones is still a restart (its pid).
-    r2.post(0, _decode_turn(30, 0.6, 0.6, floor_n=30, floor_s=0.6, pid=300))
-    svc._pump()
-    w = svc.ers_window()
+    w = _window_after(svc, store, (2, _decode_turn(30, 0.6, 0.6, floor_n=30, floor_s=0.6, pid=300)))
     assert w["decode_iteration_s"] == pytest.approx(0.02)
     assert w["decode_floor_s"] == pytest.approx(0.8 / 40)
 
 
 def test_a_rank_out_of_service_books_no_decode_and_resumes_from_its_last_counters(store):
     svc = make_service(store, ranks=(1, 2), start=False)
-    r1 = Mailbox(store, 1)
-    r1.post(0, _decode_turn(10, 0.5, 0.5))
-    svc._pump()
-    svc.ers_window()
+    _window_after(svc, store, (1, _decode_turn(10, 0.5, 0.5)))
     svc.quarantine.put_out(1, "test", time.monotonic(), kind="trainer")
-    r1.post(0, _decode_turn(30, 1.5, 1.5))
-    svc._pump()
-    assert svc.ers_window()["decode_iteration_s"] == 0.0
+    assert _window_after(svc, store, (1, _decode_turn(30, 1.5, 1.5)))["decode_iteration_s"] == 0.0
     del svc.quarantine.out[1]  # back in service
-    r1.post(0, _decode_turn(40, 2.5, 2.5))
-    svc._pump()
-    assert svc.ers_window()["decode_iteration_s"] == pytest.approx(0.1)
+    assert _window_after(svc, store, (1, _decode_turn(40, 2.5, 2.5)))["decode_iteration_s"] == pytest.approx(0.1)
