@@ -1,4 +1,4 @@
-"""What every CTB benchmark record starts with, and how it is written (benchmarks/results/NAME.json)."""
+"""What every benchmark record starts with, and how it is written (benchmarks/results/NAME.json)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,31 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 
 
-def header() -> dict:
-    """Command, machine and date of this run."""
+def header(benchmark: str, **machine) -> dict:
+    """The benchmark's name, the command that ran it, the date (UTC) and the machine (plus
+    `machine`'s extra facts: the device, library versions); load averages say how busy the
+    shared machine was."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
     return {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "benchmark": benchmark,
+        "command": " ".join(["python", script, *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "load_avg_1_5_15": os.getloadavg(), **machine},
     }
 
 
-def write(name: str, record: dict) -> str:
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+def write(name_or_path: str, record: dict) -> str:
+    """Write `record` as JSON to `name_or_path` (a path ending in .json, or a name under results/)."""
+    path = name_or_path if name_or_path.endswith(".json") else os.path.join(RESULTS_DIR, f"{name_or_path}.json")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"wrote {path}")
     return path

@@ -25,11 +25,9 @@ figures).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import bench_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -240,11 +240,7 @@ def main() -> int:
         print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}; goal {r['goal']}x)")
 
     record = {
-        "benchmark": "e2e_goodput",
-        "command": " ".join(["python", "benchmarks/e2e_goodput.py", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "load_avg_1_5_15": os.getloadavg(), "device": "cpu"},
+        **bench_record.header("e2e_goodput", device="cpu"),
         "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
                    "seed": args.seed, "latency_overrides": LATENCY, "extra_overrides": args.overrides,
                    "recipe": args.recipe},
@@ -252,15 +248,14 @@ def main() -> int:
         "ratios": ratios,
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the timeline goes there first
     ers_runs = [r for r in ok if r["ers"] and id(r) in timelines]
     if ers_runs:  # the best ERS run's timeline, beside the JSON: what ERS did, at a glance
         best = max(ers_runs, key=lambda r: r["run_goodput_tok_s"])
         png = Path(args.out).with_name(Path(args.out).stem + "_timeline.png")
         png.write_bytes(timelines[id(best)])
         record["timeline_png"] = {"file": png.name, "run": best["label"], "rep": best["rep"]}
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    bench_record.write(args.out, record)
     return 0 if ok else 1
 
 

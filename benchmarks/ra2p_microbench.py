@@ -19,10 +19,7 @@ Writes benchmarks/results/ra2p_microbench.json (command, machine, date, figures)
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,6 +27,7 @@ import traceback
 import warnings
 from datetime import timedelta
 
+import bench_record
 import torch
 
 from tide_megatron.utils.net import free_port
@@ -230,12 +228,8 @@ def main() -> None:
         print("\nmode selection on measured costs:", {k: v["mode"] for k, v in selection.items()})
 
     record = {
-        "benchmark": "ra2p_microbench",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__, "device": args.device,
-                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
+        **bench_record.header("ra2p_microbench", torch=torch.__version__, device=args.device,
+                              gpu=torch.cuda.get_device_name() if args.device == "cuda" else None),
         "config": {k: v for k, v in vars(args).items() if k != "tmp"},
         "model": dict(MODEL_SIZES[args.model_size],
                       params=_param_count(MODEL_SIZES[args.model_size])),
@@ -256,10 +250,7 @@ def main() -> None:
              "GPU figures: see ra2p_microbench_cuda.json (--device cuda --model-size 1.5b --mb-tokens 8192)."),
         ],
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=2, default=str)
-    print(f"wrote {args.out}")
+    bench_record.write(args.out, record)
 
 
 def _param_count(kw: dict) -> int:

@@ -15,10 +15,6 @@ Prints a table and writes benchmarks/results/sleep_on_idle_cpu.json (command, ma
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -26,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_record  # noqa: E402
 from e2e_goodput import LATENCY, REPO, geomean, run_one  # noqa: E402
 
 
@@ -73,11 +70,7 @@ def main() -> int:
     if ratios:
         print(f"run goodput, on / off: {geomean(ratios):.3f}x (per repetition {[round(x, 3) for x in ratios]})")
     record = {
-        "benchmark": "sleep_on_idle",
-        "command": " ".join(["python", "benchmarks/sleep_on_idle.py", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "load_avg_1_5_15": os.getloadavg(), "device": "cpu"},
+        **bench_record.header("sleep_on_idle", device="cpu"),
         "config": {"ranks": args.ranks, "split": split, "steps": args.steps, "reps": args.reps, "seed": args.seed,
                    "latency_overrides": LATENCY},
         "summary": summary,
@@ -85,9 +78,7 @@ def main() -> int:
                                           "geomean": round(geomean(ratios), 3) if ratios else None},
         "runs": runs,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    bench_record.write(args.out, record)
     return 0 if len(ok) == len(runs) else 1
 
 

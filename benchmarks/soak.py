@@ -18,10 +18,8 @@ writes benchmarks/results/soak_cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -33,6 +31,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+import bench_record
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.latency.step_median_s=0.2",
@@ -161,15 +161,11 @@ def main() -> int:
         "tail_of_output": output[-3000:] if proc.returncode else "",
     }
     record = {
-        "benchmark": "soak",
-        "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "device": "cpu",
-                    "load_avg_1_5_15": os.getloadavg()},
+        **bench_record.header("soak", device="cpu"),
         "config": {**vars(args), "launcher": " ".join(cmd[1:])},
         "result": result,
     }
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    bench_record.write(args.out, record)
     print(f"\n{'finished':>9}{'steps':>7}{'faults':>7}{'survived':>9}{'lost tok':>9}{'given up':>9}"
           f"{'stale':>6}{'max detect s':>13}")
     det = [d for d in result["detect_s"] if d is not None]
