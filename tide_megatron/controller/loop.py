@@ -222,7 +222,7 @@ class Controller:
 
     def _ers_measurements(self, outcome, twt: float, train_s: float) -> ERSMeasurements:
         """The window since the previous plan, as ERS reads it. The decode iteration times come
-        from the `tide_ctb` plugin's counters in the rollout ranks' heartbeats (`ers_window`);
+        from the `tide_ctb` plugin's counters in the rollout ranks' turn reports (`ers_window`);
         without CTB, or before a batch of one was seen, they are 0 and ERS reads decode as
         unslowed (it then grows rollout for a starved trainer from the rates, not from batching)."""
         est, window, serving = self.rollout.call(lambda: (self.rollout.buffer.estimate(), self.rollout.ers_window(),

@@ -30,13 +30,14 @@ the trainer's layout only.
 
 Preemptive maximal rollout at cold start (`cold_start`, `ers.preemptive_cold_start`): before
 the first step every trainer rank but rank 0's block rolls out (its standby engine makes that a
-weight load), and the first boundary returns to the reactive plan. The evaluation loan (`ers.preemptive_eval`):
-the loop evaluates step i's model during step i+1, beside training, so the step is bounded
-below by the evaluation; at the boundary where an evaluation starts, every trainer rank the
-step does not need to finish its batch within the last evaluation's duration rolls out
-(core's `eval_trainer_ranks`), and the next boundary, after the evaluation is gathered (its
-tasks are not moved), returns to the reactive plan. A loan is outside the one-move-per-step
-limit both ways, as in the simulator.
+weight load), and the first boundary returns to the reactive plan.
+
+The evaluation loan (`ers.preemptive_eval`): the loop evaluates step i's model during step
+i+1, beside training, so that step is bounded below by the evaluation. At the boundary where
+an evaluation starts, every trainer rank the step does not need to finish its batch within the
+last evaluation's duration rolls out (core's `eval_trainer_ranks`); the next boundary, after
+the evaluation is gathered (no eval task is moved), returns to the reactive plan. A loan is
+outside the one-move-per-step limit both ways, as in the simulator.
 
 `ers.drill_every=N` moves to the next configuration of `ers.drill` every N steps whatever the
 measurements say: a drill that exercises role changes under load in tests and soaks, not a
@@ -188,13 +189,13 @@ class TrainerRoles:
         and this is the plan ERS goes on from (the next boundary returns to it)."""
         new = self._assignment_of(plan)
         old = self.worker.assignment
-        keep = reactive or plan
+        goes_on = reactive or plan  # the plan ERS plans from next
         out = {"ers/trainer_ranks": float(len(self.ranks)), "ers/trainer_ranks_ref": float(len(old.ref_ranks)),
                "ers/changes": float(self.changes), "ers/moves": float(self.moves),
-               "ers/lent_ranks": float(len(keep.trainer_ranks) - len(plan.trainer_ranks)) if new is not None else 0.0}
+               "ers/lent_ranks": float(len(goes_on.trainer_ranks) - len(plan.trainer_ranks)) if new is not None else 0.0}
         if new is None or new == old:
             if new is not None:
-                self.plan = keep
+                self.plan = goes_on
             return out
         before, after = set(self.ranks), set(new.trainer_ranks)
         joining, leaving = sorted(after - before), sorted(before - after)
@@ -218,7 +219,7 @@ class TrainerRoles:
         mine = self.worker.apply(new)
         replies = self._take("roles_done", len(affected) - 1, timeout_s=ROLES_TIMEOUT_S)
         critical = time.perf_counter() - started
-        self.plan = keep
+        self.plan = goes_on
         self.changes += 1
         self.moves += len(joining) + len(leaving)
         logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",
