@@ -246,17 +246,17 @@ class ERSJobConfig:
     trainer's RA2P layout (colocated over every trainer rank, or decoupled with the highest
     ones as reference ranks). False: the start-up roles all run."""
     move_ranks: bool = True
-    """ERS may move ranks between rollout and the trainer (one per step; the trainer stays a
-    prefix of the ranks; with trainer.tp_size > 1 the split is held, a move would take a whole
-    TP block). False: only the trainer's layout changes."""
+    """ERS may move ranks between rollout and the trainer (one TP block of `trainer.tp_size`
+    ranks per step; the trainer stays a prefix of whole blocks). False: only the trainer's
+    layout changes."""
     standby_engines: bool = True
-    """With `move_ranks`, every rank ERS may move into rollout (the trainer ranks but rank 0)
-    starts its SGLang engine at start-up, so a move into rollout costs a weight load, not an
+    """With `move_ranks`, every rank ERS may move into rollout (the trainer ranks but rank 0's
+    TP block) starts its SGLang engine at start-up, so a move into rollout costs a weight load, not an
     engine start (on CPU a start takes tens of seconds of both cores). On GPU this needs SGLang's
     memory saver (`rollout.engine.extra_args.enable_memory_saver=true`), which frees the
     engine's memory while the rank trains. False: a rank's engine starts when it first rolls out."""
     preemptive_cold_start: bool = True
-    """With `move_ranks`, before the first step every trainer rank but rank 0's rolls out
+    """With `move_ranks`, before the first step every trainer rank but rank 0's TP block rolls out
     (nothing is ready to train yet: the paper's preemptive maximal rollout); the first step
     boundary returns to ERS's plan. Not with a drill."""
     preemptive_eval: bool = True
@@ -350,10 +350,10 @@ def validate(cfg: JobConfig, world_size: int) -> None:
                          "rank trains), or ers.standby_engines=false (an engine starts when its rank first rolls out)")
     if cfg.ers.drill not in ("layout", "split"):
         raise ValueError(f"ers.drill={cfg.ers.drill!r}: expected 'layout' or 'split'")
-    if cfg.ers.drill_every and cfg.ers.drill == "split" and (not cfg.ers.move_ranks or cfg.trainer.tp_size != 1
-                                                            or cfg.cluster.rollout_ranks < 2):
-        raise ValueError("ers.drill=split moves a rollout rank into the trainer: it needs ers.move_ranks=true, "
-                         "trainer.tp_size=1 and cluster.rollout_ranks >= 2")
+    if cfg.ers.drill_every and cfg.ers.drill == "split" and (
+            not cfg.ers.move_ranks or cfg.cluster.rollout_ranks < cfg.trainer.tp_size + 1):
+        raise ValueError("ers.drill=split moves a TP block of rollout ranks into the trainer: it needs "
+                         "ers.move_ranks=true and cluster.rollout_ranks >= trainer.tp_size + 1")
     if not 1 <= cfg.scheduler.min_rollout_ranks <= cfg.cluster.rollout_ranks:
         raise ValueError(f"scheduler.min_rollout_ranks={cfg.scheduler.min_rollout_ranks}: expected 1 to "
                          f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} (below it the run stops)")

@@ -189,14 +189,12 @@ class Job:
         ends its rollout loop is the first its trainer side handles, and a "roles" message that
         makes it ROLLOUT ends the trainer's. Its SGLang engine starts when it first rolls out, or
         at start-up on a trainer rank ERS may move (`ers.standby_engines`)."""
-        from tide_megatron.controller.trainer_roles import standby_engine_ranks
+        from tide_megatron.controller.trainer_roles import may_train, standby_engine_ranks
         from tide_megatron.core.roles import Role
 
-        ers = self.cfg.ers
         # A rollout rank holds a trainer side only if ERS may move it (the worker reads the
         # checkpoint's config and, for a VL model, its image processor)
-        moves = ers.enabled and ers.move_ranks
-        trainer = self._trainer_worker()[0] if self.topo.rank not in self.topo.rollout_ranks or moves else None
+        trainer = self._trainer_worker()[0] if may_train(self.cfg, self.topo.rank, self.topo.world_size) else None
         rollout = None
         pending = None
         if self.topo.rank in standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks):

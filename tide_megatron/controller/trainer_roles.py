@@ -25,8 +25,8 @@ it out:
 
 The plan keeps the trainer a prefix of the ranks (`ERSConfig.reclaim="lowest"`): actor DP
 groups are the first TP blocks, reference ranks the highest trainer ranks. The split moves one
-rank per step, and only with `trainer.tp_size=1` (`ers.move_ranks`); with TP > 1 ERS decides
-the trainer's layout only.
+TP block per step (`ERSConfig.rank_block`: one rank with TP=1; `ers.move_ranks`), so the
+trainer is always whole data-parallel replicas; ranks past the last whole block only roll out.
 
 Preemptive maximal rollout at cold start (`cold_start`, `ers.preemptive_cold_start`): before
 the first step every trainer rank but rank 0's block rolls out (its standby engine makes that a
@@ -68,11 +68,20 @@ a large model included), and for a rank leaving rollout to drop its tasks."""
 
 def standby_engine_ranks(cfg, trainer_side: list[int]) -> list[int]:
     """The trainer ranks that start an SGLang engine at start-up (`ers.standby_engines`): those
-    ERS may move into rollout, i.e. all but rank 0 (which always trains) when ranks move."""
+    ERS may move into rollout, i.e. all but rank 0's TP block (which always trains) when ranks
+    move."""
     ers = cfg.ers
-    if not (ers.enabled and ers.move_ranks and ers.standby_engines and cfg.trainer.tp_size == 1):
+    if not (ers.enabled and ers.move_ranks and ers.standby_engines):
         return []
-    return [r for r in trainer_side if r != 0]
+    return [r for r in trainer_side if r >= cfg.trainer.tp_size]
+
+
+def may_train(cfg, rank: int, world_size: int) -> bool:
+    """Whether `rank` can ever be on the trainer side: it starts there, or ERS may move it
+    there (it lies in a whole TP block; ranks past the last whole block only roll out)."""
+    ers, tp = cfg.ers, cfg.trainer.tp_size
+    return rank < world_size - cfg.cluster.rollout_ranks or (
+        ers.enabled and ers.move_ranks and rank < world_size // tp * tp)
 
 
 class TrainerRoles:
@@ -86,10 +95,10 @@ class TrainerRoles:
         self.topo, self.mailbox, self.worker, self._take, self.rollout = topo, mailbox, worker, take, rollout
         self.world = topo.world_size
         self.tp = worker.registry.layout.tp_size
-        self.moves_split = bool(ers_cfg.move_ranks and self.tp == 1 and rollout is not None)
+        self.moves_split = bool(ers_cfg.move_ranks and rollout is not None)
         self.ers = ERSController(ERSConfig(enabled=ers_cfg.enabled, max_moves_per_step=1 if self.moves_split else 0,
                                            reclaim="lowest", min_rollout_ranks=min_rollout_ranks,
-                                           min_trainer_ranks=self.tp),
+                                           min_trainer_ranks=self.tp, rank_block=self.tp),
                                  self.world, ra2p_cfg)
         self._startup = worker.assignment
         self.plan = self._plan_of(worker.assignment)
@@ -132,16 +141,16 @@ class TrainerRoles:
         roles = {r: Role.ROLLOUT for r in range(self.world)}
         base = list(self._startup.trainer_ranks)
         if self.cfg.drill == "split":
-            # the start-up trainer, then the next rank joins as an actor, then serves as the
-            # reference (with a reference model), then returns to rollout
+            # the start-up trainer, then the next TP block of ranks joins as an actor, then
+            # serves as the reference (with a reference model), then returns to rollout
             phases = 3 if self.worker.needs_ref else 2
             phase = (step // self.cfg.drill_every) % phases
-            extra = base[-1] + 1
-            trainer = base + [extra] if phase else base
+            extra = list(range(base[-1] + 1, base[-1] + 1 + self.tp))
+            trainer = base + extra if phase else base
             decoupled = phase == 2
             for r in trainer:
-                roles[r] = (Role.REF if r == extra else Role.ACTOR) if decoupled else Role.ACTOR_REF
-            what = ["start-up split", f"rank {extra} joins the actors", f"rank {extra} is the reference"][phase]
+                roles[r] = (Role.REF if r in extra else Role.ACTOR) if decoupled else Role.ACTOR_REF
+            what = ["start-up split", f"rank(s) {extra} join the actors", f"rank(s) {extra} are the reference"][phase]
         else:
             decoupled = self.plan.mode is RA2PMode.COLOCATED  # the other layout
             trainer = self.plan.trainer_ranks

@@ -5,8 +5,9 @@ sync, ERS plans which ranks roll out and which train in the next step, and in wh
 roles change on the sync boundary, where rollout caches are flushed anyway. It reacts to two
 imbalances: the trainer starving for ready data (move ranks to Rollout, colocated RA2P) and
 ready data piling up while Rollout waits (move ranks to the Trainer, decoupled RA2P). Trainer
-scale-up is bounded to one rank per step, and during cold starts and evaluation phases Rollout
-is maximised preemptively instead of waiting for the signals.
+scale-up is bounded to one rank per step (one TP block, `rank_block`, when the trainer's
+data-parallel replicas span several ranks), and during cold starts and evaluation phases
+Rollout is maximised preemptively instead of waiting for the signals.
 
 Control law. Each step the controller reads `ERSMeasurements` (quantities the real system
 measures; nothing comes from a hardware model) and:
@@ -54,6 +55,7 @@ released from the highest id, and Ref ranks are the highest trainer ids.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -73,7 +75,12 @@ class ERSConfig:
     min_trainer_ranks: int = 1
     """Actor ranks never drop below this many (Ref ranks do not count)."""
     max_moves_per_step: int = 1
-    """Ranks that may change side in one plan (the paper bounds trainer scale-up to one)."""
+    """Rank blocks (`rank_block` ranks each) that may change side in one plan (the paper bounds
+    trainer scale-up to one rank)."""
+    rank_block: int = 1
+    """Ranks move between rollout and the trainer this many at a time: the trainer's TP size,
+    since a data-parallel replica of the actor is a whole TP block. Every split planned differs
+    from the current one by whole blocks, and a loan keeps whole blocks in the trainer."""
     deadband: float = 0.02
     """A rate-driven move must promise this much more throughput (relative) than the current
     split. Below the gain of one rank on a side of up to ~50 ranks (2%), so every rank-level
@@ -108,6 +115,10 @@ class ERSConfig:
             raise ValueError("cooldown_steps must be >= 0")
         if self.max_moves_per_step < 0 or self.deadband < 0:
             raise ValueError("max_moves_per_step and deadband must be >= 0")
+        if self.rank_block < 1 or self.min_trainer_ranks % self.rank_block:
+            raise ValueError(f"rank_block must be >= 1 and divide min_trainer_ranks={self.min_trainer_ranks}")
+        if self.rank_block > 1 and self.reclaim != "lowest":
+            raise ValueError("rank_block > 1 needs reclaim='lowest': blocks are whole only in a prefix layout")
         if not 0 < self.rate_ewma_alpha <= 1:
             raise ValueError("rate_ewma_alpha must be in (0, 1]")
         if self.reclaim not in ("least_loaded", "lowest"):
@@ -238,7 +249,7 @@ class ERSController:
         `keep_trainer_ranks` (at least the minimum) of `base`'s trainer ranks roll out, the rest
         colocated. A loan: return to the reactive plan at the next boundary."""
         self._check(base)
-        keep = max(self.config.min_trainer_ranks, min(keep_trainer_ranks, len(base.trainer_ranks)))
+        keep = max(self.config.min_trainer_ranks, min(self._blocks_up(keep_trainer_ranks), len(base.trainer_ranks)))
         n_roll = self.world_size - keep
         layout = TrainerLayout(RA2PMode.COLOCATED, keep, 0, math.nan, math.nan, 1)
         roles = self._assign(base, n_roll, layout, rollout_load or {})
@@ -251,7 +262,7 @@ class ERSController:
         if not self.trainer_rate or not self.step_tokens or expected_eval_s <= 0:
             return self.world_size
         return max(self.config.min_trainer_ranks,
-                   math.ceil(self.step_tokens / (self.trainer_rate * expected_eval_s)))
+                   self._blocks_up(math.ceil(self.step_tokens / (self.trainer_rate * expected_eval_s))))
 
     # ------------------------------------------------------------------ control law
     def _observe(self, m: ERSMeasurements) -> None:
@@ -298,8 +309,9 @@ class ERSController:
         def predicted(r: int) -> float:
             return min(r * r_r, (n - r) * r_t)
 
-        k = cfg.max_moves_per_step
-        options = sorted({self._clamp_rollout(r) for r in range(r_now - k, r_now + k + 1)},
+        b = cfg.rank_block
+        options = sorted({r_now + j * b for j in range(-cfg.max_moves_per_step, cfg.max_moves_per_step + 1)
+                          if self._clamp_rollout(r_now + j * b) == r_now + j * b} | {r_now},
                          key=lambda r: (-predicted(r), abs(r - r_now)))
         best = options[0]
         if predicted(best) <= predicted(r_now) * (1 + cfg.deadband):
@@ -308,14 +320,23 @@ class ERSController:
                               f"R* = {target:.1f}; predicted {predicted(r_now):.0f} -> {predicted(best):.0f} tok/s")
 
     def _move(self, r_now: int, direction: int) -> int:
-        return self._clamp_rollout(r_now + direction * min(1, self.config.max_moves_per_step))
+        """One block in `direction`, or none when that leaves the bounds (no partial block)."""
+        r = r_now + direction * min(1, self.config.max_moves_per_step) * self.config.rank_block
+        return r if self._clamp_rollout(r) == r else r_now
+
+    def _blocks_up(self, ranks: int) -> int:
+        b = self.config.rank_block
+        return -(-ranks // b) * b
 
     def _layout(self, trainer_ranks: int, m: ERSMeasurements, times: MicroBatchTimes,
                 ra2p: RA2PConfig) -> TrainerLayout:
         if not self.step_tokens:
             return TrainerLayout(RA2PMode.COLOCATED, trainer_ranks, 0, math.nan, math.nan, 1)
-        return trainer_layout(trainer_ranks, ras_tokens=m.ras_tokens, arrival_tokens_per_s=m.arrival_tokens_per_s,
-                              step_tokens=self.step_tokens, times=times, cfg=ra2p)
+        # RA2P's cost model counts data-parallel replicas: with TP blocks, whole blocks
+        b = self.config.rank_block
+        lay = trainer_layout(trainer_ranks // b, ras_tokens=m.ras_tokens, arrival_tokens_per_s=m.arrival_tokens_per_s,
+                             step_tokens=self.step_tokens, times=times, cfg=ra2p)
+        return dataclasses.replace(lay, actor_ranks=lay.actor_ranks * b, ref_ranks=lay.ref_ranks * b)
 
     # ------------------------------------------------------------------ roles
     def _clamp_rollout(self, n_roll: int) -> int:

@@ -186,14 +186,35 @@ def test_a_planned_join_of_a_quarantined_rank_holds_the_roles():
     assert out["ers/moves"] == 0 and worker.applied == [] and rollout.events == []
 
 
-def test_with_tensor_parallel_actors_the_split_is_held():
-    roles, _, _ = make(world=6, tp=2, trainers=2, refs=2)
-    assert not roles.moves_split and roles.ers.config.max_moves_per_step == 0
+def test_with_tensor_parallel_actors_whole_tp_blocks_move():
+    """TP=2, ranks 0-1 the actor, 2-5 rollout: the split drill moves ranks 2-3 (a TP block, one
+    data-parallel replica) in as actors (DP=2), then as the reference unit, then back out."""
+    layout = GroupLayout(6, 2)
+    topo = SimpleNamespace(trainer_ranks=[0, 1], ref_ranks=[], rollout_ranks=[2, 3, 4, 5], world_size=6)
+    worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1], []))
+    worker.needs_ref = True
+    events: list = []
+    mailbox = FakeMailbox()
+    mailbox.post = lambda dest, kind, **payload: events.append((kind, dest))
+    roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=1, drill="split"), topo, mailbox, worker,
+                         RA2PConfig(), take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count,
+                         rollout=FakeRollout([2, 3, 4, 5], events))
+    assert roles.moves_split and roles.ers.config.rank_block == 2
+    times = MicroBatchTimes(0.05, 0.05, 0.1)
+    roles.after_update(1, window(), times)
+    assert [e for e in events if e[0] == "move_to_trainer"] == [("move_to_trainer", 2), ("move_to_trainer", 3)]
+    assert worker.assignment == TrainerAssignment(layout, 2, (), actors_hold_ref=True)
+    roles.after_update(2, window(), times)
+    assert worker.assignment == TrainerAssignment(layout, 1, (2, 3), actors_hold_ref=False)
+    events.clear()
+    out = roles.after_update(3, window(), times)
+    assert [e for e in events if e[0] == "return_to_rollout"] == [("return_to_rollout", 2), ("return_to_rollout", 3)]
+    assert roles.ranks == [0, 1] and out["ers/moves"] == 4
 
 
 def test_standby_engines_start_on_the_trainer_ranks_ers_may_move_and_need_the_memory_saver_on_gpu():
     from tide_megatron.config import JobConfig, validate
-    from tide_megatron.controller.trainer_roles import standby_engine_ranks
+    from tide_megatron.controller.trainer_roles import may_train, standby_engine_ranks
 
     cfg = JobConfig()
     cfg.scheduler.mode = "tide"
@@ -203,6 +224,13 @@ def test_standby_engines_start_on_the_trainer_ranks_ers_may_move_and_need_the_me
     cfg.ers.move_ranks = False
     assert standby_engine_ranks(cfg, [0, 1, 2]) == []
     cfg.ers.move_ranks = True
+    cfg.trainer.tp_size = 2
+    assert standby_engine_ranks(cfg, [0, 1, 2, 3]) == [2, 3]  # rank 0's TP block always trains
+    cfg.cluster.rollout_ranks = 3  # 5 ranks: actor block 0-1, rollout 2-4; rank 4 is in no whole block
+    assert [r for r in range(5) if may_train(cfg, r, 5)] == [0, 1, 2, 3]
+    cfg.ers.enabled = False
+    assert [r for r in range(5) if may_train(cfg, r, 5)] == [0, 1]
+    cfg.ers.enabled, cfg.trainer.tp_size, cfg.cluster.rollout_ranks = True, 1, 1
     cfg.rollout.engine.device = "cuda"
     with pytest.raises(ValueError, match="enable_memory_saver"):
         validate(cfg, 4)

@@ -77,6 +77,37 @@ def test_reclaim_lowest_keeps_the_trainer_a_prefix(world, moves):
             assert plan.ref_ranks == trainer[len(trainer) - len(plan.ref_ranks):]
 
 
+@settings(max_examples=60, deadline=None)
+@given(block=st.sampled_from([2, 4]), blocks=st.integers(2, 6), spare=st.integers(0, 3),
+       moves=st.lists(st.sampled_from(["up", "down", "full", "eval"]), min_size=1, max_size=12))
+def test_tp_blocks_move_whole_and_the_trainer_stays_a_prefix_of_blocks(block, blocks, spare, moves):
+    """With rank_block = the trainer's TP size, every split ERS plans (rate balance, a throttled
+    window, an evaluation loan) moves whole blocks, one per step, and keeps the trainer a
+    prefix of whole blocks, never below one block."""
+    world = block * blocks + spare  # spare ranks past the last whole block only roll out
+    ers = controller(world, reclaim="lowest", cooldown_steps=0, rank_block=block, min_trainer_ranks=block)
+    plan = plan_of([AR] * block + [R] * (world - block))
+    for step, move in enumerate(moves):
+        r = len(plan.rollout_ranks)
+        fresh, trained, full = {"up": (90_000, 1_000, 0.0), "down": (1_000, 90_000, 0.0),
+                                "full": (10_000, 10_000, 9.5), "eval": (10_000, 10_000, 0.0)}[move]
+        nxt = ers.plan(plan, measure(trainer=world - r, rollout=r, fresh=fresh, trained=trained, slots_full=full,
+                                     kv=0.05, ras=40_000 if move == "up" else 0.0, rate=5_000), TIMES, step=step)
+        assert abs(len(nxt.rollout_ranks) - r) in (0, block)
+        for p in (nxt, ers.preemptive_plan(nxt, keep_trainer_ranks=ers.eval_trainer_ranks(3.0), reason="eval")):
+            trainer = p.trainer_ranks
+            assert trainer == list(range(len(trainer))) and len(trainer) % block == 0 and len(trainer) >= block
+            assert len(p.ref_ranks) % block == 0  # a reference rank runs the model at the trainer's TP size
+        plan = nxt
+
+
+def test_rank_blocks_need_the_prefix_layout_and_whole_minimum_blocks():
+    with pytest.raises(ValueError, match="reclaim='lowest'"):
+        ERSConfig(rank_block=2, min_trainer_ranks=2)
+    with pytest.raises(ValueError, match="divide"):
+        ERSConfig(rank_block=2, min_trainer_ranks=3, reclaim="lowest")
+
+
 def test_reclaim_must_be_known():
     with pytest.raises(ValueError, match="reclaim"):
         ERSConfig(reclaim="random")
