@@ -33,7 +33,7 @@ untagged (vanilla, request-level) requests keep SGLang's behaviour exactly.
   `meta_info["tide_ctb"] = [report]` with the task's context and the engine's KV state, so the
   dispatcher learns footprints and cache state every turn; the report is also the proof that the
   plugin runs inside the scheduler process. It also carries the decode counters
-  (`DECODE_COUNTERS`), which the rollout rank forwards to rank 0 in its heartbeats.
+  (`DECODE_COUNTERS`), which reach rank 0 with the turn (`TurnEvent.report`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ REPORT_KEY = "tide_ctb"
 
 DECODE_COUNTERS = ("decode_iterations", "decode_s", "decode_seqs", "decode_seq_s", "decode_floor_iterations",
                    "decode_floor_s")
-"""The report's cumulative decode counters (names shared with `comm.messages.Heartbeat`)."""
+"""The report's cumulative decode counters (rank 0's rollout service takes their differences)."""
 
 
 @dataclass
