@@ -180,12 +180,15 @@ def test_ers_lends_trainer_ranks_to_rollout_while_an_evaluation_runs(tmp_path):
     assert sorted(evals) == [0, 2, 4] and all(e["eval/complete"] == 1 and e["eval/duration_s"] > 0
                                               for e in evals.values())
     assert steps[0].get("ers/lent_ranks", 0) == 0  # no evaluation starts at boundary 1
-    assert steps[1]["ers/lent_ranks"] >= 1 and steps[2]["trainer/dp_size"] == steps[1]["ers/trainer_ranks"]
+    def runs_on(step: dict, boundary: dict) -> bool:  # the step's actors and reference ranks are the boundary's
+        return step["trainer/dp_size"] + boundary["ers/trainer_ranks_ref"] == boundary["ers/trainer_ranks"]
+
+    assert steps[1]["ers/lent_ranks"] >= 1 and runs_on(steps[2], steps[1])  # step 3 ran on the loan
     # Boundary 3 returns to ERS's reactive plan, which moves at most one rank a step: the
-    # trainer is at least as large as on the loan, and step 4 runs on it.
+    # trainer (actors and reference ranks) is at least as large as on the loan; step 4 runs on it.
     after = steps[2]
     assert after["ers/lent_ranks"] == 0 and after["ers/trainer_ranks"] >= steps[1]["ers/trainer_ranks"]
-    assert steps[3]["trainer/dp_size"] == after["ers/trainer_ranks"] and steps[-1]["rollout/quarantines"] == 0
+    assert runs_on(steps[3], after) and steps[-1]["rollout/quarantines"] == 0
 
 
 def test_whole_tp_blocks_move_between_rollout_and_the_trainer(tmp_path):
