@@ -37,6 +37,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
+from sglang_patches.scheduler_hooks import DECODE_COUNTERS
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import (
     Heartbeat,
@@ -60,11 +61,6 @@ logger = logging.getLogger(__name__)
 KV_SAMPLE_S = 0.1
 """How often the KV use ERS reads is sampled."""
 POLL_INTERVAL_S = 0.005
-
-
-_DECODE_FIELDS = ("decode_iterations", "decode_s", "decode_seq_s", "decode_floor_iterations", "decode_floor_s")
-"""The plugin report's decode counters rank 0 takes differences of
-(`sglang_patches.scheduler_hooks.DECODE_COUNTERS`)."""
 
 
 def _empty_window() -> dict[str, float]:
@@ -392,7 +388,7 @@ class RolloutService(threading.Thread):
         service (moved to the trainer, quarantined) only updates its last values."""
         if "decode_iterations" not in report:
             return
-        pid, now = report.get("pid", 0), tuple(report[f] for f in _DECODE_FIELDS)
+        pid, now = report.get("pid", 0), tuple(report[f] for f in DECODE_COUNTERS)
         prev = self._decode_last.get(rank)
         same = prev is not None and prev[0] == pid
         if same and now[0] < prev[1][0]:
@@ -400,7 +396,7 @@ class RolloutService(threading.Thread):
         self._decode_last[rank] = (pid, now)
         if rank not in self.quarantine.serving:
             return
-        diff = dict(zip(_DECODE_FIELDS, (a - b for a, b in zip(now, prev[1])) if same else now))
+        diff = dict(zip(DECODE_COUNTERS, (a - b for a, b in zip(now, prev[1])) if same else now))
         for f in ("decode_iterations", "decode_s", "decode_seq_s"):
             self._window[f] += diff[f]
         self._floor[0] += diff["decode_floor_iterations"]
