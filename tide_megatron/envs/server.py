@@ -23,6 +23,13 @@ Security and limits (all in `EnvServerConfig` / `EnvServerLimits`, per connectio
 - sessions belong to the connection that opened them, under unguessable ids: no other
   connection can step, close or read the images of one; they close when it drops (a crashed
   rollout rank leaks nothing), or after `session_idle_timeout_s` without a call;
+- handoff: the owner may `detach` a session, which then belongs to no connection (it survives
+  its old connection dropping, still counts against `max_sessions`, and is closed by the idle
+  reaper if nobody takes it) and gets a claim (`secrets.token_urlsafe(24)`, unguessable,
+  single use); any connection presenting the claim in `attach` becomes its owner. An attach
+  over the connection's `max_sessions_per_connection` is refused before the claim is used,
+  so it can be retried elsewhere; an accepted one consumes the claim at once, waits for a step
+  in flight to finish, and answers the session's turn count and latest result;
 - rewards and replies holding NaN or infinity are refused with an error naming the env and
   the task, never sent and never a dead reply;
 - `tasks` is paginated by count and bytes; warnings are rate-limited (`log_interval_s`).
@@ -74,11 +81,19 @@ class Session:
     trajectory_id: str
     env: Env
     owner: int
-    """Id of the connection that opened it: the only one that may use it."""
+    """Id of the connection that owns it (opened or attached it): the only one that may use it;
+    0 while detached (connection ids start at 1)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.monotonic)
     done: bool = False
     turns: int = 0
+    claim: str = ""
+    """The claim of a detached session not yet attached, else empty."""
+    last: dict[str, Any] | None = None
+    """The JSON result of the latest successful reset or step, as it was returned."""
+    last_turn: int = 0
+    """The turn `last` answers (0: the reset); below `turns` only when a later step was
+    applied by the env but its result refused (a NaN reward, a bad image)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -114,6 +129,7 @@ class EnvServer:
         self._catalog: dict[str, Env] = {k: build_env(c) for k, c in self._env_cfgs.items()}
         self._task_pages: dict[tuple[str, str], asyncio.Future] = {}
         self._sessions: dict[str, Session] = {}
+        self._claims: dict[str, str] = {}  # claim -> id of the detached session it hands over
         self._connections: dict[int, Connection] = {}
         self._connection_ids = itertools.count(1)
         self._handlers: set[asyncio.Task] = set()
@@ -224,6 +240,10 @@ class EnvServer:
             if session is not None and session.owner == conn.id:
                 await self._close_session(session)
             return {}
+        if req.op == "detach":
+            return self._detach(self._owned(_arg(a, "session_id", str), conn), conn)
+        if req.op == "attach":
+            return await self._attach(_arg(a, "claim", str), conn)
         if req.op == "image":
             return await self._image(self._owned(_arg(a, "session_id", str), conn), _arg(a, "image_id", str), conn)
         raise CallError("UnknownOp", f"unknown op {req.op!r}")
@@ -235,6 +255,47 @@ class EnvServer:
             raise CallError("UnknownSession", f"no session {session_id!r} on this connection (closed, timed out, "
                                               "or never opened here)")
         return session
+
+    def _detach(self, session: Session, conn: Connection) -> dict[str, Any]:
+        """Hand the session to no connection, against a claim. Does not wait for a step in
+        flight: that step still answers its caller, and its result is what `attach` returns."""
+        claim = secrets.token_urlsafe(24)
+        session.owner = 0
+        session.claim = claim
+        self._claims[claim] = session.session_id
+        conn.sessions.discard(session.session_id)
+        session.last_active = time.monotonic()
+        return {"claim": claim}
+
+    async def _attach(self, claim: str, conn: Connection) -> dict[str, Any]:
+        """Make `conn` the owner of the detached session of `claim`. The cap is checked before
+        the claim is used (a refused attach may be retried, here or elsewhere); an accepted one
+        consumes the claim at once, then waits for a step in flight."""
+        session_id = self._claims.get(claim)
+        session = self._sessions.get(session_id) if session_id is not None else None
+        if session is None:
+            # The same answer for a claim never issued, used, or whose session is gone.
+            raise CallError("UnknownSession", "no detached session for this claim (already attached, closed, "
+                                              "timed out, or never issued)")
+        if len(conn.sessions) >= self.cfg.limits.max_sessions_per_connection:
+            raise CallError("ServerBusy", f"this connection holds {len(conn.sessions)} sessions "
+                                          f"(max_sessions_per_connection={self.cfg.limits.max_sessions_per_connection})")
+        del self._claims[claim]
+        session.claim = ""
+        # Counted against this connection's cap while it waits; closed with it if it drops.
+        conn.sessions.add(session.session_id)
+        async with session.lock:  # a step in flight finishes first
+            if self._sessions.get(session.session_id) is not session:
+                conn.sessions.discard(session.session_id)
+                raise CallError("UnknownSession", "the detached session closed before it could be attached")
+            if self._connections.get(conn.id) is not conn:
+                await self._close_session(session)
+                raise CallError("UnknownSession", "the attaching connection is gone; session closed")
+            session.owner = conn.id
+            session.last_active = time.monotonic()
+            return {"session_id": session.session_id, "env": session.env_key, "task_id": session.task_id,
+                    "trajectory_id": session.trajectory_id, "turns": session.turns, "done": session.done,
+                    "last": session.last, "last_turn": session.last_turn}
 
     async def _tasks_page(self, env_key: str, split: str, offset: int, limit: int, conn: Connection) -> dict[str, Any]:
         entries = await self._task_entries(env_key, split, conn)
@@ -297,22 +358,39 @@ class EnvServer:
         self._sessions[session.session_id] = session
         self.counts["resets"] += 1
         out["session_id"] = session.session_id
+        session.last, session.last_turn = out, 0
         if result.latency_s > 0:
             await asyncio.sleep(result.latency_s)
         return out
 
     async def _step(self, session: Session, action: str, conn: Connection) -> dict[str, Any]:
+        # The step runs in a task of its own: when its connection drops mid-step after handing
+        # the session off (`detach`), the step still finishes, for whoever attaches.
+        task = asyncio.ensure_future(self._step_locked(session, action, conn))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if session.owner == conn.id or self._sessions.get(session.session_id) is not session:
+                task.cancel()  # the session goes with its connection: stop the step
+            else:
+                task.add_done_callback(_retrieve)
+            raise
+
+    async def _step_locked(self, session: Session, action: str, conn: Connection) -> dict[str, Any]:
         async with session.lock:
             if session.done:
                 raise CallError("EpisodeDone", f"session {session.session_id} is done; reset a new one")
             session.last_active = time.monotonic()
             heavy = session.env.blocking or len(action) > INLINE_ACTION_CHARS
             result = await self._call(session.env, session.env.step, (action,), conn, heavy)
+            if self._sessions.get(session.session_id) is not session:
+                raise CallError("UnknownSession", f"session {session.session_id} closed during the step")
             session.turns += 1
             session.done = result.done
             self.counts["steps"] += 1
             await self._publish_images(session, result, conn)
             out = self._checked(session, result)
+            session.last, session.last_turn = out, session.turns
             if result.latency_s > 0:
                 await asyncio.sleep(result.latency_s)
             session.last_active = time.monotonic()
@@ -368,6 +446,9 @@ class EnvServer:
     async def _close_session(self, session: Session) -> None:
         if self._sessions.pop(session.session_id, None) is None:
             return
+        if session.claim:
+            self._claims.pop(session.claim, None)
+            session.claim = ""
         conn = self._connections.get(session.owner)
         if conn is not None:
             conn.sessions.discard(session.session_id)
@@ -392,7 +473,7 @@ class EnvServer:
             per_env[s.env_key] += 1
         return {
             "sessions": len(self._sessions), "max_sessions": self.cfg.max_sessions, "sessions_per_env": per_env,
-            "connections": len(self._connections), "max_connections": self._max_connections,
+            "detached": len(self._claims), "connections": len(self._connections), "max_connections": self._max_connections,
             "max_sessions_per_connection": self.cfg.limits.max_sessions_per_connection,
             "images": self._images.count() if self._images is not None else 0,
             "queued_jobs": self.executor.queued(), "uptime_s": time.monotonic() - self._started, **self.counts,
@@ -431,6 +512,12 @@ def _fit_descriptor_limit(max_connections: int) -> int:
                        soft, fitted, max_connections)
         return fitted
     return max_connections
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Done callback of a step nobody awaits any more: consume its outcome (no loop warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _arg(args: dict[str, Any], name: str, tp: type) -> Any:

@@ -18,13 +18,20 @@ Ops and their args (results are the `to_json` of the protocol dataclasses):
     close  {"session_id"}                      -> {}
     stats  {}                                  -> {"sessions": n, "max_sessions": m, ...}
     image  {"session_id", "image_id"}          -> ImageRef fields + {"data_b64": ...}
+    detach {"session_id"}                      -> {"claim": ...}
+    attach {"claim"}                           -> {"session_id", "env", "task_id", "trajectory_id",
+                                                   "turns", "done", "last", "last_turn"}
 
 `hello` must be the first call on a connection to a server that has a shared token. `tasks`
 answers one page (bounded in count and bytes); `next_offset` is where the next page starts.
 Sessions belong to the connection that opened them: `step`, `close` and `image` on another
-connection's session fail as `UnknownSession`. Image observations travel by reference
-(`protocol.ImageRef`): a client on the server's node reads the file, `image` is for clients
-elsewhere.
+connection's session fail as `UnknownSession`. The owner may hand a session over: `detach`
+leaves it to no connection (it survives its old connection) and returns a single-use claim;
+`attach` with that claim, on any connection, makes that connection the owner and answers the
+session's step count (`turns`), whether it is `done`, and `last`: the result of its latest
+successful reset or step exactly as it was returned (the reset when `last_turn` is 0).
+Image observations travel by reference (`protocol.ImageRef`): a client on the server's node
+reads the file, `image` is for clients elsewhere.
 
 Parsing limits (both ends): nesting deeper than `max_depth`, a number written with more than
 `max_number_digits` characters, and NaN or infinity are refused. A request that breaks them
@@ -46,7 +53,7 @@ from typing import Any
 PROTOCOL_VERSION = 2
 SERVER_NAME = "tide-env"
 
-OPS = ("hello", "ping", "envs", "tasks", "reset", "step", "close", "stats", "image")
+OPS = ("hello", "ping", "envs", "tasks", "reset", "step", "close", "stats", "image", "detach", "attach")
 
 # Error types a server reports; the client raises EnvRemoteError carrying one of these.
 ERROR_TYPES = (
