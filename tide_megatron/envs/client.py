@@ -17,9 +17,17 @@ one) and reconnects when the connection is lost.
 Reconnection: a call that cannot reach the server, or loses the connection before its reply,
 is retried on a new connection after an exponential backoff (`max_retries`,
 `backoff_initial_s`, `backoff_max_s`) when that is safe: `reset`, `tasks`, `ping`, `envs`,
-`stats`. Sessions live and die with the connection that opened them (the server closes them
+`stats`. Sessions live and die with the connection that owns them (the server closes them
 when it drops), so a `step` on a session of a lost connection raises `EnvSessionLost` at
-once, and closing one is a no-op. A call that still fails after the retries raises
+once, and closing one is a no-op.
+
+Handoff: a session can move to another connection (another rank's client) without restarting
+its episode. The owner calls `claim = await a.detach(session_id)` (the session then belongs
+to no connection and survives `a`'s; it does not wait for a step in flight, whose result `a`
+still receives); another client calls `await b.attach(claim)`, which waits for that step and
+returns an `AttachResult` (turn count, whether done, and the latest result, images read
+back). A claim is single use and never retried; a detached session nobody attaches is
+closed by the server after its idle timeout. A call that still fails after the retries raises
 `EnvServerDown` naming the server address, the call and the attempts made.
 
 Image observations: a reset or step result carries `images` (references into the server's
@@ -54,7 +62,7 @@ from tide_megatron.envs.errors import (
     EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvSessionLost, EnvTimeout,
 )
 from tide_megatron.envs.images import ImageError, check_against_ref, read_image_file
-from tide_megatron.envs.protocol import ImageRef, ResetResult, StepResult, TaskSpec
+from tide_megatron.envs.protocol import AttachResult, ImageRef, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.wire import PROTOCOL_VERSION, Request, Response, WireError, decode_response, encode_request
 
 logger = logging.getLogger(__name__)
@@ -292,6 +300,40 @@ class EnvClient:
         except EnvServerDown:
             pass  # the connection, and the session with it, is gone
 
+    async def detach(self, session_id: str, timeout_s: float | None = None) -> str:
+        """Hand a session of this client to no connection; returns the claim another client
+        passes to `attach`. This client forgets the session. A step in flight still gets its
+        reply here; the attacher sees its result. Never retried (EnvSessionLost when the
+        connection is lost: the session went with it, or is detached with its claim lost and
+        will be closed when idle)."""
+        name = self._call_name("detach", session_id)
+        self._live_session(session_id, name)
+        try:
+            result = await self.call("detach", {"session_id": session_id}, name, timeout_s, retry=False)
+        except EnvServerDown as e:
+            self._sessions.pop(session_id, None)
+            raise EnvSessionLost(self.address, name, f"{e.detail}; the session was lost with its connection") from None
+        claim = self._parse(name, lambda: _str_field(result, "claim"))
+        self._sessions.pop(session_id, None)
+        return claim
+
+    async def attach(self, claim: str, timeout_s: float | None = None) -> AttachResult:
+        """Take over the session another client detached. Waits for a step in flight on it;
+        the result carries the session's turn count and latest result (images resolved). The
+        claim is single use, so the call is never retried; a refusal for this connection's
+        session cap (`ServerBusy`) leaves the claim usable."""
+        name = "attach"
+        result = await self.call("attach", {"claim": claim}, name, timeout_s, retry=False)
+        res = self._parse(name, lambda: AttachResult.from_json(result))
+        self._sessions[res.session_id] = (res.env, res.task_id, self._epoch)
+        name = self._call_name("attach", res.session_id)
+        try:
+            res.last.image_data = await self._resolve_images(res.session_id, res.last.images, name, timeout_s)
+        except EnvImageError:
+            await self._close_quietly(res.session_id)
+            raise
+        return res
+
     def _live_session(self, session_id: str, name: str) -> tuple[str, str]:
         """(env, task id) of a session this client opened; EnvSessionLost when it was opened
         on a connection that has since been lost."""
@@ -377,6 +419,13 @@ class EnvClient:
             return build()
         except (KeyError, TypeError, ValueError) as e:
             raise EnvProtocolError(self.address, call_name, f"malformed result: {e}") from None
+
+
+def _str_field(result: dict[str, Any], key: str) -> str:
+    value = result[key]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value
 
 
 def _str_list(value: Any) -> list[str]:

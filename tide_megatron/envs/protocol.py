@@ -190,6 +190,51 @@ class StepResult:
         )
 
 
+@dataclass
+class AttachResult:
+    """A session taken over from another connection (`EnvClient.attach`)."""
+
+    session_id: str
+    """The session's handle, unchanged by the handoff: use it for `step` and `close`."""
+
+    env: str
+    """Served env name of the session."""
+
+    task_id: str
+    """The task the session plays."""
+
+    trajectory_id: str
+    """The trajectory id it was reset with."""
+
+    turns: int
+    """Env steps the session has taken so far (a step that was in flight at the handoff counts)."""
+
+    done: bool
+    """The episode is over: further steps are an error."""
+
+    last: ResetResult | StepResult
+    """The result of step number `last_turn` (the reset when 0), as it was returned to the
+    previous owner, with its images read back like a reset's or a step's."""
+
+    last_turn: int = 0
+    """The turn `last` answers: `turns`, unless the env applied a later step whose result the
+    server refused (a NaN reward or a bad image); then that step's result is lost."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AttachResult:
+        turns, done, last = _int(data, "turns"), data.get("done"), _dict(data, "last")
+        last_turn = _int(data, "last_turn") if "last_turn" in data else turns
+        if not isinstance(done, bool):
+            raise ValueError(f"field 'done' must be a bool, got {done!r}")
+        if not 0 <= last_turn <= turns:
+            raise ValueError(f"last_turn {last_turn} is not within 0..turns={turns}")
+        return cls(
+            session_id=_str(data, "session_id"), env=_str(data, "env"), task_id=_str(data, "task_id"),
+            trajectory_id=_str(data, "trajectory_id"), turns=turns, done=done,
+            last=ResetResult.from_json(last) if last_turn == 0 else StepResult.from_json(last), last_turn=last_turn,
+        )
+
+
 class Env(abc.ABC):
     """One episode of an environment at a time. Not thread-safe; the server serialises calls
     of a session. Subclasses are built by a factory registered with `register_env`."""
