@@ -96,15 +96,18 @@ def _assignment(data: dict[str, Any]) -> TaskAssignment:
 # ---------------------------------------------------------------- controller -> rollout rank
 @dataclass
 class RunTask(Message):
-    """Start a trajectory now. `tag` carries CTB's fields for its requests (None: untagged)."""
+    """Start a trajectory now. `tag` carries CTB's fields for its requests (None: untagged);
+    `carry`: go on with a task another rank handed over (`TaskCarried.carry`) instead of
+    starting it."""
 
     KIND: ClassVar[str] = "task"
     assignment: TaskAssignment
     tag: Optional[dict[str, Any]] = None
+    carry: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_wire(cls, payload: dict[str, Any]) -> "RunTask":
-        return cls(_assignment(payload["assignment"]), payload.get("tag"))
+        return cls(_assignment(payload["assignment"]), payload.get("tag"), payload.get("carry"))
 
 
 @dataclass
@@ -147,11 +150,17 @@ class LoadWeights(Message):
 class CancelAll(Message):
     """You were quarantined (silent past the heartbeat timeout): stop every task you hold, as
     `CancelTask` would, and answer `AllCancelled` once none is left. Rank 0 took the tasks
-    back already; `epoch` matches the answer to this quarantine."""
+    back already; `epoch` matches the answer to this quarantine.
+
+    With `carry` (ERS moves the rank to the trainer) each task that has begun its episode is
+    handed over instead: it stops at its next await (a turn in flight ends first), hands its
+    env session off and answers `TaskCarried`; one that cannot be carried answers
+    `TaskCancelled` and starts afresh elsewhere."""
 
     KIND: ClassVar[str] = "cancel_all"
     epoch: int
     reason: str = ""
+    carry: bool = False
 
 
 STOP_GRACE_S = 30.0
@@ -197,21 +206,26 @@ class TrajectoryDone(Message):
 
     KIND: ClassVar[str] = "trajectory"
     trajectory: Trajectory
+    carried_tokens: int = 0
+    """Of its generated tokens, those generated on ranks that handed it over (the rest are this
+    rank's own, which its heartbeats count)."""
 
     @classmethod
     def from_wire(cls, payload: dict[str, Any]) -> "TrajectoryDone":
-        return cls(Trajectory.from_json(payload["trajectory"]))
+        return cls(Trajectory.from_json(payload["trajectory"]), int(payload.get("carried_tokens", 0)))
 
 
 @dataclass
 class TaskFailed(Message):
-    """A task attempt failed; `generated_tokens` it had produced are lost to it."""
+    """A task attempt failed; the tokens it had produced are lost to it: `generated_tokens` on
+    this rank, `carried_tokens` on ranks that handed it over."""
 
     KIND: ClassVar[str] = "task_failed"
     assignment: TaskAssignment
     error: str
     traceback: str = ""
     generated_tokens: int = 0
+    carried_tokens: int = 0
 
     @classmethod
     def from_wire(cls, payload: dict[str, Any]) -> "TaskFailed":
@@ -230,11 +244,27 @@ class TaskReleased(Message):
 @dataclass
 class TaskCancelled(Message):
     """A task stopped on `CancelTask` and holds nothing any more (or was not there); its
-    tokens are wasted. No trajectory or failure of it follows."""
+    tokens are wasted: `generated_tokens` on this rank, `carried_tokens` on ranks that handed
+    it over. No trajectory or failure of it follows."""
 
     KIND: ClassVar[str] = "task_cancelled"
     task_id: str
     generated_tokens: int = 0
+    carried_tokens: int = 0
+
+
+@dataclass
+class TaskCarried(Message):
+    """Answer to `CancelAll(carry=True)` for one task: it holds nothing here any more and goes
+    on elsewhere from `carry` (its episode so far and its env session's claim, see
+    `rollout/task_carry.py`). `generated_tokens`: its tokens generated on this rank;
+    `carried_tokens`: on ranks that handed it over before (the episode holds their sum)."""
+
+    KIND: ClassVar[str] = "task_carried"
+    task_id: str
+    carry: dict[str, Any]
+    generated_tokens: int = 0
+    carried_tokens: int = 0
 
 
 @dataclass

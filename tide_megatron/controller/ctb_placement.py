@@ -12,6 +12,10 @@ messages, one FIFO per rank, so a rank sees each task's decisions in order:
 - resume -> `ResumeTask` on the rank that holds the task (a mailbox cannot move a task);
 - cancel -> `CancelTask`: the rank drops the task and answers `TaskCancelled`.
 
+A rank that ERS moves to the trainer hands its tasks over instead (`hand_off_rank`): each one's
+state comes back to rank 0 (`TaskCarried`) and starts where CTB resumes it, as a `RunTask`
+carrying it (`RunTask.carry`).
+
 `CTBPlacement` gives the rollout service the same interface as `RequestPlacement`.
 """
 
@@ -36,8 +40,9 @@ class MailboxCarrier:
     def __init__(self, mailbox: Mailbox):
         self.mailbox = mailbox
 
-    def admit(self, rank: int, assignment: TaskAssignment, tag: Optional[TagFields]) -> None:
-        self.mailbox.post(rank, RunTask(assignment, tag.to_json() if tag is not None else None))
+    def admit(self, rank: int, assignment: TaskAssignment, tag: Optional[TagFields],
+              carry: Optional[dict] = None) -> None:
+        self.mailbox.post(rank, RunTask(assignment, tag.to_json() if tag is not None else None, carry))
 
     def pause(self, rank: int, task_id: str) -> None:
         self.mailbox.post(rank, PauseTask(task_id))
@@ -115,6 +120,31 @@ class CTBPlacement:
 
     def remove_rank(self, rank: int) -> list[str]:
         return self.dispatcher.remove_rank(rank)
+
+    @property
+    def hands_over(self) -> bool:
+        """A rank leaving rollout alive hands its tasks over (`hand_off_rank`) rather than
+        dropping them."""
+        return self.dispatcher.cfg.enabled
+
+    def hand_off_rank(self, rank: int) -> list[str]:
+        """See `CTBDispatcher.hand_off_rank`."""
+        return self.dispatcher.hand_off_rank(rank)
+
+    def in_transit(self, task_id: str) -> bool:
+        return self.dispatcher.in_transit(task_id)
+
+    def carried(self, task_id: str, carry: dict) -> bool:
+        return self.dispatcher.task_carried(task_id, carry)
+
+    def not_carried(self, task_id: str) -> bool:
+        return self.dispatcher.task_not_carried(task_id)
+
+    def take_dropped_carries(self) -> list[tuple[str, dict]]:
+        """Handed-over tasks whose group was cancelled before they started again (their tokens
+        are the caller's to book)."""
+        out, self.dispatcher.dropped_carries = self.dispatcher.dropped_carries, []
+        return out
 
     def drop_rank(self, rank: int) -> list[str]:
         """A quarantined rank: CTB forgets it; its tasks come back failed (see `CTBDispatcher.drop_rank`)."""

@@ -119,11 +119,12 @@ class RolloutHealth:
                                   f"its tasks last waited: {'; '.join(r.waiting) or 'none running'}"))
         return out
 
-    def quarantine(self, rank: int, now: float) -> int:
+    def quarantine(self, rank: int, now: float, write_off: bool = True) -> int:
         """Take the rank out; returns the tokens its tasks are booked with (see the module
-        docstring): what its last heartbeat showed running, less what it reported since."""
+        docstring): what its last heartbeat showed running, less what it reported since.
+        Without `write_off` (a live rank that will report each task itself) none are."""
         r = self._ranks[rank]
-        tokens = max(r.running_tokens - (r.booked - r.booked_at_beat), 0)
+        tokens = max(r.running_tokens - (r.booked - r.booked_at_beat), 0) if write_off else 0
         r.booked += tokens
         r.written_off += tokens
         r.quarantined_since = now

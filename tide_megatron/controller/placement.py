@@ -24,6 +24,9 @@ from tide_megatron.comm.messages import CancelTask, RunTask, TaskAssignment
 class RequestPlacement:
     """Queues assignments and posts `RunTask`s while ranks have room."""
 
+    hands_over = False
+    """A rank leaving rollout drops its tasks (they start afresh elsewhere); CTB hands them over."""
+
     def __init__(self, mailbox: Mailbox, ranks: Iterable[int], max_tasks_per_rank: int,
                  on_group_started: Optional[Callable[[str], None]] = None):
         if max_tasks_per_rank < 1:
@@ -136,6 +139,9 @@ class RequestPlacement:
         gone = self.remove_rank(rank)
         self._cancelled.difference_update(gone)  # a cancel it never answered: nothing to wait for
         return gone
+
+    def take_dropped_carries(self) -> list:
+        return []  # nothing is ever handed over here
 
     def add_rank(self, rank: int) -> None:
         self._load.setdefault(rank, 0)

@@ -24,7 +24,8 @@ The run stops (with the silent rank's message) only when fewer than
 ERS moves ranks between rollout and the trainer along the same path, planned instead of
 forced (`kind`): a rank leaving for the trainer is taken out as in step 1 (its tasks are
 re-dispatched to the other ranks, where they start afresh; their tokens are wasted, not
-failed) and, once drained, stays out while it trains ("trainer"); a trainer rank that joins
+failed; with CTB they are handed over instead, see `rollout/task_carry.py`) and, once drained,
+stays out while it trains ("trainer"); a trainer rank that joins
 rollout (again, or for the first time) is "returning": it receives the weights at the very
 sync of its move, without first being heard from (its engine may still be starting; the send
 waits for its receive), and enters service as in step 4.
@@ -44,12 +45,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from tide_megatron.comm.messages import (AllCancelled, CancelAll, TaskCancelled, TaskFailed, TaskReleased,
+from tide_megatron.comm.messages import (AllCancelled, CancelAll, TaskCancelled, TaskCarried, TaskFailed, TaskReleased,
                                          TrajectoryDone, TurnEvent, WeightsLoaded)
 
 logger = logging.getLogger(__name__)
 
-_LATE = (TrajectoryDone, TaskFailed, TaskCancelled, TaskReleased, TurnEvent)
+_LATE = (TrajectoryDone, TaskFailed, TaskCancelled, TaskCarried, TaskReleased, TurnEvent)
 
 
 @dataclass
@@ -87,14 +88,20 @@ class Quarantine:
         self._awaiting: dict[int, set[int]] = {}  # version -> receivers a sync mode step waits for
 
     # -- the steps (side effects on the placement, health, ledger and mailbox) ----------------
-    def take_out(self, rank: int, reason: str, now: float, kind: str = "quarantine") -> tuple[list[str], int]:
+    def take_out(self, rank: int, reason: str, now: float, kind: str = "quarantine",
+                 hand_over: bool = False) -> tuple[list[str], int]:
         """Step 1: returns the ids of the tasks taken back (each failed there: the caller
         retries it or gives its group up; moved to the trainer, `kind="trainer"`: each is
-        re-dispatched) and the tokens booked for them as failed (cancelled for a move)."""
-        task_ids = self.placement.drop_rank(rank)
-        written_off = self.health.quarantine(rank, now)
+        re-dispatched) and the tokens booked for them as failed (cancelled for a move).
+
+        `hand_over` (a move with CTB): the rank hands each task over instead
+        (`placement.hand_off_rank`, `CancelAll(carry=True)`); nothing is written off, as the
+        rank, alive, answers for every task itself."""
+        task_ids = self.placement.hand_off_rank(rank) if hand_over else self.placement.drop_rank(rank)
+        written_off = self.health.quarantine(rank, now, write_off=not hand_over)
         self.ledger.book_attempt(written_off, fate="failed" if kind == "quarantine" else "cancelled")
-        self.mailbox.post(rank, CancelAll(self.put_out(rank, reason, now, len(task_ids), kind), reason))
+        epoch = self.put_out(rank, reason, now, len(task_ids), kind)
+        self.mailbox.post(rank, CancelAll(epoch, reason, carry=hand_over))
         return task_ids, written_off
 
     def return_to_rollout(self, rank: int, now: float) -> None:
@@ -149,8 +156,9 @@ class Quarantine:
             return True
         if not isinstance(msg, _LATE) or msg.src not in self.out:  # (trainer ranks post plain dicts)
             return False
-        # A task it no longer owns: never into the buffer; its tokens beyond the write-off are wasted.
-        tokens = msg.trajectory.generated_tokens if isinstance(msg, TrajectoryDone) else \
+        # A task it no longer owns: never into the buffer; its tokens beyond the write-off are
+        # wasted (those of ranks that handed it over are the caller's to book).
+        tokens = msg.trajectory.generated_tokens - msg.carried_tokens if isinstance(msg, TrajectoryDone) else \
             getattr(msg, "generated_tokens", 0)
         if tokens:
             self.ledger.book_attempt(self.health.late(msg.src, tokens, now), fate="cancelled")

@@ -44,6 +44,7 @@ from tide_megatron.comm.messages import (
     RankReady,
     TaskAssignment,
     TaskCancelled,
+    TaskCarried,
     TaskFailed,
     TaskReleased,
     TrajectoryDone,
@@ -66,6 +67,15 @@ POLL_INTERVAL_S = 0.005
 def _empty_window() -> dict[str, float]:
     return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_share_s": 0.0, "kv_s": 0.0,
             "decode_iterations": 0, "decode_s": 0.0, "decode_seq_s": 0.0}
+
+
+_TASK_ENDS = (TrajectoryDone, TaskFailed, TaskCancelled, TaskCarried)
+
+
+def _task_id(msg) -> str:
+    if isinstance(msg, TrajectoryDone):
+        return msg.trajectory.trajectory_id
+    return msg.assignment.trajectory_id if isinstance(msg, TaskFailed) else msg.task_id
 
 
 class RunError(RuntimeError):
@@ -118,6 +128,9 @@ class RolloutService(threading.Thread):
         self._kv_share: Optional[float] = None  # CTB ranks' mean KV use at the last sample (None: unknown)
         self._kv_at = 0.0
         self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
+        self._handing_over: dict[str, int] = {}  # task -> the rank leaving rollout that hands it over
+        self._carried: dict[str, int] = {}
+        """Tokens of a handed-over task generated on the ranks it left: booked with its end."""
         placement.on_group_started = self._on_group_started
 
     @property
@@ -230,14 +243,10 @@ class RolloutService(threading.Thread):
         for msg in self.mailbox.poll():
             if isinstance(msg, TurnEvent) and msg.report:  # out of service too: its last counters
                 self._on_decode_counters(msg.src, msg.report)
-            if self.quarantine.handles(msg, now):  # a quarantined rank's, or a weight confirmation
+            if isinstance(msg, _TASK_ENDS):
+                self._on_task_end(msg, now)
+            elif self.quarantine.handles(msg, now):  # a quarantined rank's, or a weight confirmation
                 continue
-            if isinstance(msg, TrajectoryDone):
-                self._on_trajectory(msg, now)
-            elif isinstance(msg, TaskFailed):
-                self._on_failed(msg, now)
-            elif isinstance(msg, TaskCancelled):
-                self._on_cancelled(msg, now)
             elif isinstance(msg, TaskReleased):
                 self.placement.released(msg.task_id, msg.src)
             elif isinstance(msg, TurnEvent):
@@ -254,11 +263,50 @@ class RolloutService(threading.Thread):
                 self.trainer_inbox.put(msg)
         return now
 
+    def _on_task_end(self, msg, now: float) -> None:
+        """A task ended on a rank: it finished, failed, was cancelled, or was handed over. The
+        tokens of ranks that handed it over before are booked with this end (a trajectory
+        holds them already)."""
+        tid = _task_id(msg)
+        carried = self._carried.pop(tid, 0)
+        if self._handing_over.get(tid) == msg.src:  # the rank leaving rollout answers for it
+            del self._handing_over[tid]
+            if isinstance(msg, TaskCarried):
+                self._on_carried(msg, carried, now)
+                return
+            if isinstance(msg, TaskCancelled):  # it had not begun: it starts afresh elsewhere
+                self.health.booked(msg.src, msg.generated_tokens, now)
+                self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="cancelled")
+                self.placement.not_carried(tid)
+                return
+        elif self.quarantine.handles(msg, now):  # a task the rank no longer owns
+            self.buffer.ledger.book_attempt(carried, fate="cancelled")
+            return
+        if isinstance(msg, TrajectoryDone):
+            self._on_trajectory(msg, now)
+        elif isinstance(msg, TaskFailed):
+            self._on_failed(msg, carried, now)
+        elif isinstance(msg, TaskCancelled):
+            self._on_cancelled(msg, carried, now)
+        else:
+            raise RunError(f"rank {msg.src} handed over task {tid}, which it was not asked to")
+
+    def _on_carried(self, msg: TaskCarried, carried: int, now: float) -> None:
+        """A rank leaving rollout handed a task over: it goes on where CTB resumes it."""
+        self.health.booked(msg.src, msg.generated_tokens, now)
+        total = msg.generated_tokens + carried
+        if self.placement.carried(msg.task_id, msg.carry):
+            self._carried[msg.task_id] = total
+            self.counters["tasks_carried"] += 1
+            self.counters["carried_tokens"] += total
+        else:  # its group ended meanwhile
+            self.buffer.ledger.book_attempt(total, fate="cancelled")
+
     def _on_trajectory(self, msg: TrajectoryDone, now: float) -> None:
         traj = msg.trajectory
         tid = traj.trajectory_id
         fresh = self.placement.finished(tid, msg.src, len(traj.token_ids))
-        self.health.booked(msg.src, traj.generated_tokens, now)
+        self.health.booked(msg.src, traj.generated_tokens - msg.carried_tokens, now)
         if not fresh or traj.group_id not in self._live:  # cancelled, or its group ended meanwhile
             self.buffer.ledger.book_attempt(traj.generated_tokens, fate="cancelled")
             return
@@ -272,12 +320,12 @@ class RolloutService(threading.Thread):
             if done is not None and not done.is_eval:
                 self._consecutive_failed_groups = 0
 
-    def _on_failed(self, msg: TaskFailed, now: float) -> None:
+    def _on_failed(self, msg: TaskFailed, carried: int, now: float) -> None:
         a = msg.assignment
         tid = a.trajectory_id
         fresh = self.placement.failed(tid, msg.src, msg.error)
         self.health.booked(msg.src, msg.generated_tokens, now)
-        self.buffer.ledger.book_attempt(msg.generated_tokens, fate="failed")
+        self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="failed")
         self.counters["task_failures"] += 1
         if fresh and a.group_id in self._live:
             self._retry_or_give_up(a, msg.error, msg.src, now)
@@ -302,10 +350,10 @@ class RolloutService(threading.Thread):
                            f"{rank} for {tid}: {error}")
         return False
 
-    def _on_cancelled(self, msg: TaskCancelled, now: float) -> None:
+    def _on_cancelled(self, msg: TaskCancelled, carried: int, now: float) -> None:
         self.placement.released(msg.task_id, msg.src)
         self.health.booked(msg.src, msg.generated_tokens, now)
-        self.buffer.ledger.book_attempt(msg.generated_tokens, fate="cancelled")
+        self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="cancelled")
 
     # ------------------------------------------------------------------ quarantine
     def _quarantine_rank(self, rank: int, reason: str, now: float) -> None:
@@ -313,6 +361,7 @@ class RolloutService(threading.Thread):
         task_ids, written_off = self.quarantine.take_out(rank, reason, now)
         retried = 0
         for tid in task_ids:  # like the tasks of a dead engine: each attempt failed there
+            self.buffer.ledger.book_attempt(self._carried.pop(tid, 0), fate="failed")  # (on earlier ranks)
             gid, index = tid.rsplit("/", 1)
             members = self._live.get(gid)
             if members is None:  # its group ended meanwhile (a cancel the rank never answered)
@@ -328,13 +377,23 @@ class RolloutService(threading.Thread):
 
     # ------------------------------------------------------------------ ERS moves
     def move_to_trainer(self, rank: int, reason: str) -> int:
-        """ERS moves rollout rank `rank` to the trainer: it takes no new task, its tasks start
-        afresh on the other ranks (no retry is charged; their tokens are wasted), and it is told
-        to drop them (`CancelAll`); `in_trainer(rank)` once it has. Returns the tasks moved."""
+        """ERS moves rollout rank `rank` to the trainer: it takes no new task, and its tasks go
+        on on the other ranks: with CTB it hands each over (`TaskCarried`: its episode and env
+        session go on where CTB resumes it, re-prefilled under the new weights; a task that had
+        not begun starts afresh), otherwise they start afresh (no retry is charged; their tokens
+        are wasted) and it drops them. `in_trainer(rank)` once it answered for every task.
+        Returns the tasks moved."""
         now = time.monotonic()
         if rank not in self.quarantine.serving:
             raise ValueError(f"rank {rank} is not a rollout rank in service")
-        task_ids, written_off = self.quarantine.take_out(rank, reason, now, kind="trainer")
+        hand_over = self.placement.hands_over
+        task_ids, written_off = self.quarantine.take_out(rank, reason, now, kind="trainer", hand_over=hand_over)
+        if hand_over:
+            self._handing_over.update((tid, rank) for tid in task_ids)
+            self.counters["tasks_moved"] += len(task_ids)
+            logger.info("rank %d leaves rollout for the trainer (%s): it hands %d task(s) over", rank, reason,
+                        len(task_ids))
+            return len(task_ids)
         moved = 0
         for tid in task_ids:
             gid, index = tid.rsplit("/", 1)
@@ -505,6 +564,8 @@ class RolloutService(threading.Thread):
         self._unadmitted.discard(gid)
         self._live.pop(gid, None)
         self.placement.forget_group(gid)
+        for tid, _ in self.placement.take_dropped_carries():  # handed over, never started again
+            self.buffer.ledger.book_attempt(self._carried.pop(tid, 0), fate="cancelled")
 
     def _give_up_group(self, gid: str, *, failed: bool, reason: str, now: float) -> None:
         """Cancel a group's other members and end it in the buffer (failed or cancelled)."""

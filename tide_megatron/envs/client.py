@@ -276,7 +276,7 @@ class EnvClient:
         try:
             res.image_data = await self._resolve_images(res.session_id, res.images, name, timeout_s)
         except EnvImageError:
-            await self._close_quietly(res.session_id)
+            await self.close_quietly(res.session_id)
             raise
         return res
 
@@ -330,7 +330,7 @@ class EnvClient:
         try:
             res.last.image_data = await self._resolve_images(res.session_id, res.last.images, name, timeout_s)
         except EnvImageError:
-            await self._close_quietly(res.session_id)
+            await self.close_quietly(res.session_id)
             raise
         return res
 
@@ -351,7 +351,8 @@ class EnvClient:
             return f"{op}(env={env}, task={task_id}, session={session_id})"
         return f"{op}(session={session_id})"
 
-    async def _close_quietly(self, session_id: str) -> None:
+    async def close_quietly(self, session_id: str) -> None:
+        """`close_session`, ignoring every env error (the session is done with either way)."""
         with contextlib.suppress(EnvServerDown, EnvTimeout, EnvRemoteError, EnvProtocolError):
             await self.close_session(session_id)
 
@@ -412,7 +413,7 @@ class EnvClient:
         try:
             yield first
         finally:
-            await self._close_quietly(first.session_id)
+            await self.close_quietly(first.session_id)
 
     def _parse(self, call_name: str, build):
         try:

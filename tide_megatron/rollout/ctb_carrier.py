@@ -81,9 +81,13 @@ class Carrier(Protocol):
     can_move_tasks: bool
     """True: a paused task may resume on another rank (its runner's state is reachable from
     every rank, e.g. one process). False: it resumes where it was paused, and a task whose rank
-    leaves rollout restarts from scratch elsewhere."""
+    leaves rollout is handed over (`CTBDispatcher.hand_off_rank`) or, when that rank is gone,
+    restarts from scratch elsewhere."""
 
-    def admit(self, rank: int, assignment: TaskAssignment, tag: Optional[TagFields]) -> None: ...
+    def admit(self, rank: int, assignment: TaskAssignment, tag: Optional[TagFields],
+              carry: Optional[dict] = None) -> None:
+        """Start the task on `rank`; `carry`: go on from the state another rank handed over
+        (only carriers that cannot move tasks are given one)."""
 
     def pause(self, rank: int, task_id: str) -> None: ...
 

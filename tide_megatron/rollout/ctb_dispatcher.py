@@ -52,6 +52,18 @@ class RankMismatch(RuntimeError):
     """A rank's engine is smaller than the budgets CTB was configured with."""
 
 
+@dataclass
+class _Transit:
+    """A task a rank leaving rollout hands over (`hand_off_rank`) on its way to another rank."""
+
+    carry: Optional[dict[str, Any]] = None
+    """Its state, once the leaving rank sent it (`task_carried`)."""
+    rank: Optional[int] = None
+    """Where CTB resumed it, once it did: the task starts there when its state is here."""
+    cancelled: bool = False
+    """Its group was cancelled meanwhile: its state is dropped when it comes."""
+
+
 @dataclass(frozen=True)
 class RankResources:
     """What a rollout rank's engine has (from `RolloutEngineConfig`)."""
@@ -78,7 +90,13 @@ class CTBDispatcher:
         self.rank_kv: dict[int, dict[str, Any]] = {}
         """Latest engine report per rank (from the plugin)."""
         self.stats = {"admits": 0, "pauses": 0, "resumes": 0, "resumes_with_affinity": 0, "requeues": 0,
-                      "restarts": 0, "failures": 0, "cancels": 0, "groups_cancelled": 0}
+                      "restarts": 0, "failures": 0, "cancels": 0, "groups_cancelled": 0, "handed_over": 0,
+                      "carried": 0}
+        self._transit: dict[str, _Transit] = {}
+        """Tasks handed over by a rank that left rollout, until they start on another rank."""
+        self.dropped_carries: list[tuple[str, dict[str, Any]]] = []
+        """States of handed-over tasks whose group was cancelled before they started again: the
+        caller books their tokens (and takes the list)."""
         self._forget_after_release: set[str] = set()
         """Cancelled groups the controller is done with, kept until their ranks confirm every release."""
         self._checked: set[int] = set()
@@ -146,6 +164,60 @@ class CTBDispatcher:
             if not self.policy.awaits_release(gid):
                 self.forget_group(gid)
         return ids
+
+    def hand_off_rank(self, rank: int) -> list[str]:
+        """A rank leaves rollout alive (an ERS move): its tasks, resident or paused with their
+        runner there, keep their state. In CTB's policy they become paused tasks that may resume
+        on any rank (so resume-before-admit gives them room before anything new); the rank hands
+        each one over (`task_carried`), and it starts where CTB resumes it once both happened.
+        One the rank cannot hand over comes back through `task_not_carried` and starts afresh.
+        Returns the ids of the tasks concerned."""
+        if not self.cfg.enabled:
+            raise ValueError("request-level dispatch (ctb.enabled=false) does not track where tasks run")
+        ids = [str(r.task.task_id) for r in self.policy.remove_rank(rank)]
+        ids += [str(t) for t in self.policy.tasks_in(TaskState.PAUSED)
+                if self.runner_rank.get(str(t)) == rank and str(t) not in ids]
+        self._quarantined.discard(rank)
+        self.rank_kv.pop(rank, None)
+        for tid in ids:
+            self.runner_rank.pop(tid, None)
+            self._transit[tid] = _Transit()
+        self.stats["handed_over"] += len(ids)
+        return ids
+
+    def in_transit(self, task_id: str) -> bool:
+        return task_id in self._transit
+
+    def task_carried(self, task_id: str, carry: dict[str, Any]) -> bool:
+        """The leaving rank handed the task over with its state. False: it is no longer wanted
+        (its group was cancelled or forgotten meanwhile); the caller books its tokens."""
+        transit = self._transit.get(task_id)
+        if transit is None or transit.cancelled:
+            self._transit.pop(task_id, None)
+            return False
+        transit.carry = carry
+        self._start_carried(task_id)
+        return True
+
+    def task_not_carried(self, task_id: str) -> bool:
+        """The leaving rank could not hand the task over (it had not begun its episode): it
+        starts afresh. False: it is no longer wanted."""
+        transit = self._transit.pop(task_id, None)
+        st = self._status(task_id)
+        if transit is None or transit.cancelled or st is None:
+            return False
+        if st.state is TaskState.RUNNING:  # CTB resumed it already: what it booked there is freed
+            self.policy.on_task_failed(task_id)
+        self.requeue_failed(task_id)
+        return True
+
+    def _start_carried(self, task_id: str) -> None:
+        transit = self._transit[task_id]
+        if transit.carry is None or transit.rank is None:
+            return
+        del self._transit[task_id]
+        self.stats["carried"] += 1
+        self.carrier.admit(transit.rank, self.assignments[task_id], self.tag_fields(task_id), carry=transit.carry)
 
     def quarantine(self, rank: int, quarantined: bool = True) -> None:
         """Stop (or restart) dispatching to a rank; its residents keep running."""
@@ -217,6 +289,19 @@ class CTBDispatcher:
         for tid in self.policy.forget(group_id):
             self.assignments.pop(str(tid), None)
             self.runner_rank.pop(str(tid), None)
+            self._drop_transit(str(tid))
+
+    def _drop_transit(self, task_id: str) -> None:
+        """The task is not wanted any more: a state already here is dropped (and reported in
+        `dropped_carries`), one still coming is dropped when it comes."""
+        transit = self._transit.get(task_id)
+        if transit is None:
+            return
+        if transit.carry is not None:
+            del self._transit[task_id]
+            self.dropped_carries.append((task_id, transit.carry))
+        else:
+            transit.cancelled = True
 
     def _carry(self, d: Decision) -> None:
         if isinstance(d, GroupCancelled):  # its tasks' Cancels follow
@@ -231,15 +316,26 @@ class CTBDispatcher:
             self.stats["pauses"] += 1
             self.carrier.pause(d.rank, tid)
         elif isinstance(d, Resume):
-            if not self.carrier.can_move_tasks and d.rank != self.runner_rank[tid]:
+            transit = self._transit.get(tid)
+            if transit is None and not self.carrier.can_move_tasks and d.rank != self.runner_rank[tid]:
                 raise RuntimeError(f"CTB resumed {tid} on rank {d.rank} but its runner is on {self.runner_rank[tid]}")
             self.stats["resumes"] += 1
             self.stats["resumes_with_affinity"] += d.prefix_affinity
             self.runner_rank[tid] = d.rank
-            self.carrier.resume(d.rank, tid, self.tag_fields(tid))
+            if transit is not None:  # a handed-over task starts there (once its state is here)
+                transit.rank = d.rank
+                self._start_carried(tid)
+            else:
+                self.carrier.resume(d.rank, tid, self.tag_fields(tid))
         elif isinstance(d, Cancel):
             self.stats["cancels"] += 1
-            self.carrier.cancel(self.runner_rank[tid], tid)
+            if tid in self._transit:  # running nowhere: nothing to tell a rank, nothing to release
+                self.runner_rank.pop(tid, None)
+                self._drop_transit(tid)
+                if d.rank is not None:
+                    self.policy.on_released(d.rank, tid)
+            else:
+                self.carrier.cancel(self.runner_rank[tid], tid)
         else:
             raise TypeError(f"unknown CTB decision {d!r}")
 
@@ -278,7 +374,7 @@ class CTBDispatcher:
         if not self.cfg.enabled:
             self._vanilla_running.discard(task_id)
             return True
-        if not self._runner_is(rank, task_id):
+        if not self._runner_is(rank, task_id) and not self._ends_in_transit(task_id):
             return False
         self.policy.on_task_finished(task_id, context_tokens, now=now)
         return True
@@ -289,10 +385,20 @@ class CTBDispatcher:
         if not self.cfg.enabled:
             self._vanilla_running.discard(task_id)
             return True
-        if not self._runner_is(rank, task_id):
+        if not self._runner_is(rank, task_id) and not self._ends_in_transit(task_id):
             return False
         self.policy.on_task_failed(task_id)
         self.stats["failures"] += 1
+        return True
+
+    def _ends_in_transit(self, task_id: str) -> bool:
+        """A handed-over task the leaving rank ended instead (it finished or failed before it
+        could stop): True when it is still wanted. Only the leaving rank still knows it: the
+        caller routes that rank's reports of the tasks it hands over here."""
+        transit = self._transit.pop(task_id, None)
+        if transit is None or transit.cancelled:
+            return False
+        self.runner_rank.pop(task_id, None)
         return True
 
     def task_released(self, rank: int, task_id: str) -> None:

@@ -37,6 +37,7 @@ from tide_megatron.rollout.engine import Generation, RolloutEngine
 from tide_megatron.core.trajectory import Segment
 from tide_megatron.models.qwen3_vl_inputs import encode_image_for_record
 from tide_megatron.rollout.multimodal import ImageInputError, observation_images
+from tide_megatron.rollout.task_carry import CarriedTask, episode_from_json, episode_to_json, pending_step
 from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
 
 
@@ -70,6 +71,8 @@ class TaskHandle:
     """Held while a turn generates and while the session is being released, so a pause
     requested mid-generation releases the session right after that generation."""
     runnable: asyncio.Event = field(default_factory=asyncio.Event)
+    carry: bool = False
+    """Rank 0 moves the task to another rank: a cancel then hands it over (`CarriedTask`)."""
 
     def place(self, rank: int) -> None:
         if self.last_rank is not None and rank != self.last_rank:
@@ -127,29 +130,61 @@ class CTBTaskRunner:
         send = render(len(images))
         return send, self.images.expand(send, images, what), images
 
-    async def run(self, assignment: TaskAssignment, handle: TaskHandle, listener: TurnListener) -> Trajectory:
-        started = time.time()
+    async def run(self, assignment: TaskAssignment, handle: TaskHandle, listener: TurnListener,
+                  carry: Optional[CarriedTask] = None) -> Trajectory | CarriedTask:
+        """Run the task to its end, or go on with a `carry` another rank handed over. Returns its
+        trajectory, or, when it is cancelled with `handle.carry` set, the `CarriedTask` to hand
+        over (the env session is detached, not closed)."""
         t0 = time.monotonic()
         await handle.runnable.wait()  # admitted before it takes an environment
-        async with self.env.session(assignment.task["env"], assignment.task["task_id"],
-                                    assignment.trajectory_id) as first:
-            what = f"task {assignment.trajectory_id} turn 0"
-            send, ids, images = self._observation(first, what, lambda *n: self.chat.prompt_ids(first.observation, *n))
-            if images and len(ids) > self.cfg.max_context_tokens:
-                raise ImageInputError(f"{what}: the first observation takes {len(ids)} tokens, over "
-                                      f"max_context_tokens={self.cfg.max_context_tokens}")
+        tid = assignment.trajectory_id
+        step_result = None
+        if carry is None:
+            started = time.time()
+            first = await self.env.reset(assignment.task["env"], assignment.task["task_id"], tid)
+            env_session = first.session_id
+            try:
+                what = f"task {tid} turn 0"
+                send, ids, images = self._observation(first, what,
+                                                      lambda *n: self.chat.prompt_ids(first.observation, *n))
+                if images and len(ids) > self.cfg.max_context_tokens:
+                    raise ImageInputError(f"{what}: the first observation takes {len(ids)} tokens, over "
+                                          f"max_context_tokens={self.cfg.max_context_tokens}")
+            except BaseException:
+                await self.env.close_quietly(env_session)
+                raise
             ep = _Episode(tokens=[], env_wait_s=time.monotonic() - t0,
                           version=self.engines[handle.rank].weight_version if handle.rank in self.engines
                           else min(e.weight_version for e in self.engines.values()),
                           send_tokens=[] if self.images is not None else None)
             ep.append(ids, 0, send_ids=send, images=images)
-            try:
-                await self._turns(first.session_id, ep, handle, listener, (send, images), assignment.trajectory_id)
-            finally:
-                async with handle.lock:
-                    if handle.session_id is not None:
-                        session, handle.session_id = handle.session_id, None
-                        await self.engines[handle.session_rank].close_session(session)
+        else:
+            started = carry.started_at
+            handle.started, handle.pauses, handle.moves = True, carry.pauses, carry.moves + 1
+            ep = episode_from_json(carry.episode, lambda data: self._images_of_carry(data, tid))
+            attached = await self.env.attach(carry.claim)
+            env_session = attached.session_id
+            if pending_step(ep, attached.turns) == "result":
+                step_result = attached.last
+        carried: Optional[CarriedTask] = None
+        try:
+            await self._turns(env_session, ep, handle, listener, tid, step_result)
+        except asyncio.CancelledError:
+            if not handle.carry:
+                raise
+            # Handed over: the env session goes with the task (a detach does not wait for a
+            # step in flight; the next rank gets its result with the attach).
+            carried = CarriedTask(await self.env.detach(env_session), episode_to_json(ep), started,
+                                  handle.pauses, handle.moves)
+        finally:
+            async with handle.lock:
+                if handle.session_id is not None:
+                    session, handle.session_id = handle.session_id, None
+                    await self.engines[handle.session_rank].close_session(session)
+            if carried is None:
+                await self.env.close_quietly(env_session)
+        if carried is not None:
+            return carried
         # Generation never runs past the context limit; only a last observation can, and it is cut.
         cut = self.cfg.max_context_tokens
         mask = ep.loss_mask[:cut]
@@ -170,36 +205,50 @@ class CTBTaskRunner:
             image_grid_thw=[list(im.grid) for im in ep.images], image_tokens=sum(im.num_tokens for im in ep.images),
         )
 
+    def _images_of_carry(self, data: list[bytes], task_id: str) -> list:
+        if self.images is None:
+            raise ImageInputError(f"task {task_id}: the carried episode holds {len(data)} image(s), but the policy "
+                                  "is text-only")
+        return self.images.prepare(data, f"task {task_id} (carried)")
+
     async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener,
-                     pending: tuple[list[int], list], task_id: str) -> None:
-        # `pending`: the ids (one-pad form) and images the engine's session has not seen yet.
-        previous_rid: Optional[str] = None
-        done = False
-        while not done:
-            remaining = self.cfg.max_context_tokens - len(ep.tokens)
-            if ep.turns >= self.cfg.max_turns or remaining <= 0:
-                ep.truncated = True
-                return
-            gen, version = await self._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
-            previous_rid = gen.rid
-            ep.segments.append(Segment(len(ep.tokens), len(ep.tokens) + len(gen.output_ids), version))
-            ep.append(gen.output_ids, 1, gen.logprobs)
-            action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-            t0 = time.monotonic()
-            result = await self.env.step(env_session, action)
-            ep.env_wait_s += time.monotonic() - t0
+                     task_id: str, result=None) -> None:
+        """Generate and step the env until the episode ends. `result`: the env's answer to the
+        episode's pending action, already known (a carried task's attach brought it)."""
+        pending: tuple[list[int], list] = ([], [])  # what a live engine session has not seen yet
+        previous_rid: Optional[str] = None  # none yet: the first turn sends the whole context
+        while True:
+            if ep.pending_action is None:
+                remaining = self.cfg.max_context_tokens - len(ep.tokens)
+                if ep.turns >= self.cfg.max_turns or remaining <= 0:
+                    ep.truncated = True
+                    return
+                gen, version = await self._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
+                previous_rid = gen.rid
+                ep.segments.append(Segment(len(ep.tokens), len(ep.tokens) + len(gen.output_ids), version))
+                ep.append(gen.output_ids, 1, gen.logprobs)
+                ep.pending_action = self.chat.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+                if handle.carry:  # stop before the env step: the next rank sends the action
+                    raise asyncio.CancelledError("carried to another rank")
+            if result is None:
+                t0 = time.monotonic()
+                result = await self.env.step(env_session, ep.pending_action)
+                ep.env_wait_s += time.monotonic() - t0
+            ep.env_steps, ep.pending_action = ep.env_steps + 1, None
             ep.reward += result.reward
             ep.info = result.info
-            done = result.done
-            if not done:
-                send, ids, images = self._observation(
-                    result, f"task {task_id} turn {ep.turns}",
-                    lambda *n: self.chat.user_turn_ids(result.observation, gen.output_ids, *n))
-                if images and len(ep.tokens) + len(ids) > self.cfg.max_context_tokens:
-                    ep.truncated = True  # the context ends before the turn: an image is never cut
-                    return
-                ep.append(ids, 0, send_ids=send, images=images)
-                pending = (send, images)
+            if result.done:
+                return
+            last = ep.segments[-1]
+            output_ids = ep.tokens[last.start:last.end]
+            send, ids, images = self._observation(
+                result, f"task {task_id} turn {ep.turns}",
+                lambda *n: self.chat.user_turn_ids(result.observation, output_ids, *n))
+            if images and len(ep.tokens) + len(ids) > self.cfg.max_context_tokens:
+                ep.truncated = True  # the context ends before the turn: an image is never cut
+                return
+            ep.append(ids, 0, send_ids=send, images=images)
+            pending, result = (send, images), None
 
     async def _generate_turn(self, ep: _Episode, pending: tuple[list[int], list], previous_rid: Optional[str],
                              remaining: int, handle: TaskHandle, listener: TurnListener) -> tuple[Generation, int]:

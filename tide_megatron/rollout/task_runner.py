@@ -99,6 +99,10 @@ class _Episode:
     """With images: `tokens` as SGLang is sent them (one pad per image); None: `tokens` itself."""
     images: list[Any] = field(default_factory=list)
     """`multimodal.TurnImage`s of the observations so far, in order."""
+    env_steps: int = 0
+    """Env step results in the episode (a carried task checks it against the env session's)."""
+    pending_action: str | None = None
+    """The last turn's action while its env step's result is not in the episode yet."""
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None,
                send_ids: list[int] | None = None, images: list[Any] = ()) -> None:

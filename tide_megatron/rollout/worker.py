@@ -22,9 +22,12 @@ every task stops as on `CancelTask`; once none is left the rank answers `AllCanc
 rank 0 sends it weights again at its next sync. On `Stop` it answers `Stopped` after its last
 heartbeat, so rank 0 knows it ended (see `controller/loop.py`).
 
-ERS may move the rank to the trainer: rank 0 takes its tasks back with `CancelAll` (they start
-afresh elsewhere) and, once it answered `AllCancelled`, posts it the trainer's "roles"
-message. `run` then returns that message and whatever the same read brought after it (the
+ERS may move the rank to the trainer: rank 0 takes its tasks back with `CancelAll(carry=True)`
+and, once it answered `AllCancelled`, posts it the trainer's "roles" message. Each task that has
+begun its episode is handed over rather than dropped: it stops at its next await (a turn in
+flight ends first), detaches its env session and answers `TaskCarried` with its episode so far
+(`rollout/task_carry.py`); rank 0 resumes it on another rank (`RunTask.carry`), which attaches
+the session and re-prefills the context under the new weights. `run` then returns that message and whatever the same read brought after it (the
 trainer's first commands), for `TrainerWorker.serve`; the engine releases its memory where
 SGLang can (`RolloutEngine.release_memory`). Moved back, the same worker `run`s again: the
 engine resumes its memory and reports ready, and loads the weights rank 0 sent for its return.
@@ -64,6 +67,7 @@ from tide_megatron.comm.messages import (
     Stopped,
     TaskAssignment,
     TaskCancelled,
+    TaskCarried,
     TaskFailed,
     TaskReleased,
     TrajectoryDone,
@@ -73,6 +77,7 @@ from tide_megatron.comm.messages import (
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
 from tide_megatron.rollout.engine import RolloutEngine
+from tide_megatron.rollout.task_carry import CarriedTask
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -93,7 +98,11 @@ class _Task:
     tag: Optional[dict[str, Any]]
     """Latest CTB tag fields from rank 0 (None: untagged, request-level scheduling)."""
     generated: int = 0
-    """Tokens this task has generated so far."""
+    """Tokens this task has generated so far (on every rank it ran on)."""
+    carried_in: int = 0
+    """Of `generated`: tokens generated on the ranks that handed the task over."""
+    carry: Optional[dict[str, Any]] = None
+    """The state it goes on from (`RunTask.carry`), if another rank handed it over."""
     turn_context: int = 0
     """Context tokens when the current turn started."""
     state: str = "queued"
@@ -103,6 +112,16 @@ class _Task:
     job: Optional[asyncio.Task] = None
     releasing: Optional[asyncio.Task] = None
     """A pause's session release under way (a resume waits for it)."""
+
+    @property
+    def own(self) -> int:
+        """Tokens it generated on this rank."""
+        return self.generated - self.carried_in
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        """(own, carried) tokens, as the task-ending messages report them."""
+        return self.own, self.carried_in
 
 
 class RolloutWorker:
@@ -241,7 +260,7 @@ class RolloutWorker:
 
     async def _handle(self, msg) -> None:
         if isinstance(msg, RunTask):
-            self._start(msg.assignment, msg.tag)
+            self._start(msg.assignment, msg.tag, msg.carry)
         elif isinstance(msg, PauseTask):
             self._pause(msg.task_id)
         elif isinstance(msg, ResumeTask):
@@ -259,10 +278,15 @@ class RolloutWorker:
             else:
                 self._cancel(task, msg.reason or "cancelled")
         elif isinstance(msg, CancelAll):
-            logger.warning("rollout rank %d: quarantined by rank 0 (%s); dropping its %d task(s)",
-                           self.rank, msg.reason, len(self._tasks))
+            if msg.carry:
+                logger.info("rollout rank %d: leaves rollout (%s); handing over its %d task(s)",
+                            self.rank, msg.reason, len(self._tasks))
+            else:
+                logger.warning("rollout rank %d: quarantined by rank 0 (%s); dropping its %d task(s)",
+                               self.rank, msg.reason, len(self._tasks))
             for task in list(self._tasks.values()):
-                self._cancel(task, "quarantined")
+                task.handle.carry = msg.carry
+                self._cancel(task, "carried to another rank" if msg.carry else "quarantined")
             self._cancel_all_epoch = msg.epoch
         elif isinstance(msg, LoadWeights):
             await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest), msg.sender)
@@ -287,13 +311,16 @@ class RolloutWorker:
         task.state, task.since = "paused", time.monotonic()
         task.releasing.add_done_callback(lambda _: self.mailbox.post(CONTROLLER, TaskReleased(task_id)))
 
-    def _start(self, assignment: TaskAssignment, tag: Optional[dict[str, Any]]) -> None:
+    def _start(self, assignment: TaskAssignment, tag: Optional[dict[str, Any]],
+               carry: Optional[dict[str, Any]] = None) -> None:
         tid = assignment.trajectory_id
         if tid in self._tasks:
             raise ValueError(f"rollout rank {self.rank}: task {tid} started twice")
         handle = TaskHandle(tid)
         handle.place(self.rank)
-        task = self._tasks[tid] = _Task(assignment, handle, tag)
+        carried_in = CarriedTask.from_json(carry).generated if carry is not None else 0
+        task = self._tasks[tid] = _Task(assignment, handle, tag, generated=carried_in, carried_in=carried_in,
+                                        carry=carry)
         task.job = asyncio.get_running_loop().create_task(self._run_task(task))
         task.job.add_done_callback(lambda _, t=task: self._if_never_ran(t))
         if self._busy_since is None:
@@ -303,34 +330,42 @@ class RolloutWorker:
         tid = task.assignment.trajectory_id
         listener = _Listener(self, task)
         try:
-            trajectory = await self._runner.run(task.assignment, task.handle, listener)
+            carry = CarriedTask.from_json(task.carry) if task.carry is not None else None
+            result = await self._runner.run(task.assignment, task.handle, listener, carry)
             self._env_steps += task.state == "env step"
-            self.mailbox.post(CONTROLLER, TrajectoryDone(trajectory))
+            if isinstance(result, CarriedTask):
+                self.mailbox.post(CONTROLLER, TaskCarried(tid, result.to_json(), *task.tokens))
+            else:
+                self.mailbox.post(CONTROLLER, TrajectoryDone(result, task.carried_in))
         except asyncio.CancelledError:
             if self.engine.died:
-                self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died",
-                                                         generated_tokens=task.generated))
+                self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died", "",
+                                                         *task.tokens))
             else:
                 await task.handle.release_session(self._engines, even_if_placed=True)
-                self.mailbox.post(CONTROLLER, TaskCancelled(tid, task.generated))
+                self.mailbox.post(CONTROLLER, TaskCancelled(tid, *task.tokens))
         except Exception as exc:  # report, never lose the task silently
             logger.warning("task %s failed on rank %d: %s", tid, self.rank, exc)
             self.mailbox.post(CONTROLLER, TaskFailed(
-                task.assignment, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=5), task.generated))
+                task.assignment, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=5), *task.tokens))
         finally:
             self._forget(tid)
 
     def _if_never_ran(self, task: _Task) -> None:
         """A job cancelled before its first step (its `RunTask` and a cancel in one poll, e.g.
         stale tasks ahead of `CancelAll`) never runs `_run_task`, nor its `finally`: answer for
-        it here, as `_run_task` would have (it holds no session yet)."""
+        it here, as `_run_task` would have (it holds no session yet; a carried task's claim is
+        still unused)."""
         tid = task.assignment.trajectory_id
         if self._tasks.get(tid) is not task:
             return  # it ran, and reported itself
         if self.engine.died:
-            self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died"))
+            self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died", "",
+                                                     *task.tokens))
+        elif task.carry is not None and task.handle.carry:  # handed on untouched: its claim is unused
+            self.mailbox.post(CONTROLLER, TaskCarried(tid, task.carry, *task.tokens))
         else:
-            self.mailbox.post(CONTROLLER, TaskCancelled(tid, 0))
+            self.mailbox.post(CONTROLLER, TaskCancelled(tid, *task.tokens))
         self._forget(tid)
 
     def _forget(self, tid: str) -> None:
@@ -350,7 +385,8 @@ class RolloutWorker:
         waiting = [f"{t.assignment.trajectory_id}: {t.state} for {now - t.since:.0f} s" for t in longest]
         busy, idle = self._busy_idle()
         self.mailbox.post(CONTROLLER, Heartbeat(
-            generated_tokens=self._generated, running_tokens=sum(t.generated for t in self._tasks.values()),
+            generated_tokens=self._generated,
+            running_tokens=sum(t.own for t in self._tasks.values()),
             running_tasks=len(self._tasks), env_steps=self._env_steps, waiting=waiting, busy_s=busy, idle_s=idle))
 
     async def _load_weights(self, manifest: weight_sync.WeightManifest, sender: int) -> None:
@@ -411,8 +447,8 @@ class _Listener:
         task.state, task.since = "env step", time.monotonic()
         if task.tag is not None:
             self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
-        if task.cancel_reason is not None:  # cancelled while this turn generated: stop here
-            raise asyncio.CancelledError(task.cancel_reason)
+        if task.cancel_reason is not None and not task.handle.carry:  # cancelled while this turn generated
+            raise asyncio.CancelledError(task.cancel_reason)  # (a carried task stops after it, with it)
 
 
 def _kill_scheduler() -> None:

@@ -98,3 +98,76 @@ def test_unadmittable_probe_is_a_clear_error_at_start():
                                   policy=dataclasses.replace(cfg.ctb.policy, probe_turn_reserve_tokens=2048))
     with pytest.raises(ValueError, match="ctb.prompt_tokens_estimate \\+ ctb.policy.probe_turn_reserve_tokens"):
         check_ctb_resources(cfg.ctb, max_running_requests=cfg.rollout.engine.max_running_requests, max_total_tokens=500)
+
+
+def _admitted(ctb, ranks, gid="g0", n=4):
+    """Submit a group and admit every member (the probe measured first)."""
+    d = ctb.dispatcher
+    ctb.submit(_group(gid, n=n))
+    ctb.dispatch(0.0)
+    (probe,) = [m for r in ranks.values() for m in r.poll()]
+    tid = probe.assignment.trajectory_id
+    ctb.on_turn(_turn(tid, "started", 100, rank=d.runner_rank[tid]))
+    ctb.on_turn(_turn(tid, "finished", 120, rank=d.runner_rank[tid]))
+    ctb.dispatch(0.1)
+    for r in ranks.values():
+        r.poll()
+    assert len(d.runner_rank) == n
+    src = d.runner_rank[tid]  # CTB keeps a group together: the rank that leaves
+    return d, src, 3 - src
+
+
+def test_a_rank_leaving_rollout_hands_its_tasks_over_and_ctb_starts_each_elsewhere_once_its_state_is_here():
+    ctb, ranks = _placement(100_000)
+    d, src, dst = _admitted(ctb, ranks)
+    leaving = sorted(t for t, r in d.runner_rank.items() if r == src)
+    assert leaving and ctb.hands_over
+    assert ctb.hand_off_rank(src) == leaving
+    assert all(ctb.in_transit(t) for t in leaving)
+    first, *rest = leaving
+    ctb.carried(first, {"claim": "c0"})  # its state arrives before CTB resumes it
+    ctb.dispatch(0.2)  # CTB resumes the handed-over tasks on the other rank
+    started = [m for m in ranks[dst].poll() if isinstance(m, RunTask)]
+    assert [(m.assignment.trajectory_id, m.carry) for m in started] == [(first, {"claim": "c0"})]
+    for i, tid in enumerate(rest):  # resumed already: each starts the moment its state comes
+        assert ctb.carried(tid, {"claim": f"c{i + 1}"})
+        (m,) = ranks[dst].poll()
+        assert isinstance(m, RunTask) and m.assignment.trajectory_id == tid and m.carry == {"claim": f"c{i + 1}"}
+    assert not ranks[src].poll() and not any(ctb.in_transit(t) for t in leaving)
+    assert {d.runner_rank[t] for t in leaving} == {dst} and d.stats["carried"] == len(leaving)
+    for tid in list(d.runner_rank):
+        assert ctb.finished(tid, dst)
+    assert not d.policy.audit()
+
+
+def test_a_task_the_leaving_rank_could_not_hand_over_starts_afresh():
+    ctb, ranks = _placement(100_000)
+    d, src, dst = _admitted(ctb, ranks)
+    tid = next(t for t, r in d.runner_rank.items() if r == src)
+    ctb.hand_off_rank(src)
+    ctb.dispatch(0.2)  # resumed on the other rank, waiting for a state that will not come
+    assert d.runner_rank[tid] == dst and not ranks[dst].poll()
+    assert ctb.not_carried(tid)
+    ctb.dispatch(0.3)
+    (m,) = [m for m in ranks[dst].poll() if m.assignment.trajectory_id == tid]
+    assert isinstance(m, RunTask) and m.carry is None
+    assert not d.policy.audit()
+
+
+def test_a_handed_over_task_whose_group_ends_is_dropped_and_its_state_reported():
+    ctb, ranks = _placement(100_000)
+    d, src, dst = _admitted(ctb, ranks)
+    leaving = sorted(t for t, r in d.runner_rank.items() if r == src)
+    d.quarantine(dst)  # no rank takes them: the states wait at rank 0
+    ctb.hand_off_rank(src)
+    ctb.dispatch(0.2)
+    assert ctb.carried(leaving[0], {"claim": "c0"})
+    ctb.cancel_group("g0", "too stale")
+    assert [t for t, _ in ctb.take_dropped_carries()] == [leaving[0]]
+    assert not ctb.take_dropped_carries()
+    for tid in leaving[1:]:  # still coming: dropped when it comes
+        assert not ctb.carried(tid, {"claim": "late"})
+    ctb.forget_group("g0")
+    assert not any(ctb.in_transit(t) for t in leaving)
+    assert not [m for r in ranks.values() for m in r.poll() if isinstance(m, RunTask)]
+    assert not d.policy.audit()

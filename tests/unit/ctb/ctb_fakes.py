@@ -149,16 +149,15 @@ class FakeEnv:
         self._left: dict[str, int] = {}
         self._traj: dict[str, str] = {}
 
-    @contextlib.asynccontextmanager
-    async def session(self, env: str, task_id: str, trajectory_id: str):
+    async def reset(self, env: str, task_id: str, trajectory_id: str):
         sid = f"env-{trajectory_id}-{self.rng.random()}"
         self._left[sid] = self.steps
         self._traj[sid] = trajectory_id
         await asyncio.sleep(0)
-        try:
-            yield SimpleNamespace(observation="start", session_id=sid)
-        finally:
-            self._left.pop(sid, None)
+        return SimpleNamespace(observation="start", session_id=sid)
+
+    async def close_quietly(self, session_id: str) -> None:
+        self._left.pop(session_id, None)
 
     async def step(self, session_id: str, action: str) -> _Step:
         await asyncio.sleep(self.rng.random() * 0.002)
@@ -178,3 +177,50 @@ class FakeChat:
 
     def user_turn_ids(self, observation: Any, previous_output: list[int]) -> list[int]:
         return list(range(6))
+
+
+class HandoffEnv(FakeEnv):
+    """`FakeEnv` whose sessions can move between clients (`detach` / `attach`, as the env server
+    does): like the server, it finishes a step its caller stopped waiting for, counts each
+    session's steps and keeps the latest result. `step_s`: how long a step takes."""
+
+    def __init__(self, steps: int = 3, step_s: float = 0.0):
+        super().__init__(steps=steps)
+        self.step_s = step_s
+        self.resets = 0
+        self.turns: dict[str, int] = {}
+        self.last: dict[str, Any] = {}
+        self.stepping: set[str] = set()
+        self.detached: set[str] = set()
+
+    async def reset(self, env: str, task_id: str, trajectory_id: str):
+        self.resets += 1
+        first = await super().reset(env, task_id, trajectory_id)
+        self.turns[first.session_id] = 0
+        return first
+
+    async def step(self, session_id: str, action: str) -> _Step:
+        if session_id in self.detached:
+            raise KeyError(f"no session {session_id} on this connection")
+        return await asyncio.shield(asyncio.ensure_future(self._step(session_id, action)))
+
+    async def _step(self, session_id: str, action: str) -> _Step:
+        self.stepping.add(session_id)
+        await asyncio.sleep(self.step_s)
+        self._left[session_id] -= 1
+        self.turns[session_id] += 1
+        self.last[session_id] = _Step(f"obs {self.turns[session_id]}", 1.0, self._left[session_id] <= 0)
+        self.stepping.discard(session_id)
+        return self.last[session_id]
+
+    async def detach(self, session_id: str) -> str:
+        self.detached.add(session_id)
+        return f"claim-{session_id}"
+
+    async def attach(self, claim: str):
+        sid = claim.removeprefix("claim-")
+        self.detached.remove(sid)
+        while sid in self.stepping:  # the server's attach waits for a step in flight
+            await asyncio.sleep(0.001)
+        return SimpleNamespace(session_id=sid, turns=self.turns[sid], done=self._left[sid] <= 0,
+                               last=self.last.get(sid))

@@ -98,6 +98,12 @@ class FakeEnv:
     async def session(self, env, task_id, trajectory_id):
         yield SimpleNamespace(observation=self.text, session_id="e0", image_data=self.per_turn[0], info={})
 
+    async def reset(self, env, task_id, trajectory_id):
+        return SimpleNamespace(observation=self.text, session_id="e0", image_data=self.per_turn[0], info={})
+
+    async def close_quietly(self, session_id):
+        pass
+
     async def step(self, session_id, action):
         self.steps += 1
         done = self.steps >= self.turns

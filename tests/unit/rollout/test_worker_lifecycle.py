@@ -47,7 +47,7 @@ class WaitsForResume:
     def __init__(self):
         self.started = 0
 
-    async def run(self, assignment, handle, listener):
+    async def run(self, assignment, handle, listener, carry=None):
         self.started += 1
         await asyncio.Event().wait()
 
