@@ -127,8 +127,9 @@ SLOW_ENV = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.laten
 def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
     """ERS's split drill on 3 ranks with a slow env (tasks are resident when a move comes):
     rank 1 leaves rollout and joins the actors (DP=2), serves as the reference (decoupled),
-    returns to rollout, and joins the actors again. Its tasks start afresh on rank 2; nothing is
-    lost, every step trains its groups within the staleness bound."""
+    returns to rollout, and joins the actors again. Its tasks are handed over to rank 2 and go on
+    there (episode, env session and all); nothing is lost, every step trains its groups within
+    the staleness bound."""
     rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=2", "ers.enabled=true",
                  "ers.drill=split", "ers.drill_every=1", "run.steps=4", *SLOW_ENV)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -140,8 +141,10 @@ def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
     assert rows[2]["ra2p/mode"] == "decoupled"
     last = rows[-1]
     assert last["rollout/tasks_moved"] >= 1  # a move under load
+    # at least one had begun its episode and went on elsewhere (a task not begun starts afresh)
+    assert last["rollout/tasks_carried"] >= 1 and last["rollout/carried_tokens"] > 0
     assert last["rollout/moves_out"] == 1 and last["rollout/moves_in"] == 1 and last["rollout/quarantines"] == 0
-    assert last.get("rollout/retries", 0) == 0  # a moved task is re-dispatched, not retried
+    assert last.get("rollout/retries", 0) == 0  # a moved task goes on, it is not retried
     timeline = json.loads((tmp_path / "timeline.json").read_text())  # the roles of steps 1-4
     assert [span["role"] for span in timeline["ranks"]["1"]] == ["rollout", "actor_ref", "ref", "rollout"]
 

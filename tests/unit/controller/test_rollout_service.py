@@ -16,10 +16,13 @@ import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import (AllCancelled, CancelAll, CancelTask, Heartbeat, LoadWeights, RankReady, RunTask,
-                                         Stop, TaskCancelled, TaskFailed, TrajectoryDone, TurnEvent, WeightsLoaded)
+                                         Stop, TaskCancelled, TaskCarried, TaskFailed, TrajectoryDone, TurnEvent,
+                                         WeightsLoaded)
 from tide_megatron.comm.weight_sync import Send
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
+from tide_megatron.config import JobConfig
+from tide_megatron.controller.ctb_placement import CTBPlacement
 from tide_megatron.controller.placement import RequestPlacement
 from tide_megatron.controller.rollout_service import RolloutService, RunError
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
@@ -34,7 +37,8 @@ class FakeRank(threading.Thread):
     """Answers each RunTask after `delay_s` with a trajectory of `gen` tokens, unless `fate(tid,
     attempt)` says 'fail', 'vanish' (never answer, as if the message were lost) or 'hang'. A task
     generates its `gen` tokens when it starts. While `frozen` is set the rank does nothing at
-    all (a hung process: no heartbeat, no answer)."""
+    all (a hung process: no heartbeat, no answer). On `CancelAll(carry=True)` it hands its tasks
+    over (`TaskCarried`); a task it is handed (`RunTask.carry`) ends holding the carried tokens."""
 
     def __init__(self, store, rank: int, *, gen: int = 5, delay_s: float = 0.01,
                  fate: Callable[[str, int], str] = lambda tid, attempt: "ok", heartbeat_s: float = 0.05,
@@ -45,6 +49,7 @@ class FakeRank(threading.Thread):
         self.generated = 0
         self.running: dict[str, tuple[float, RunTask]] = {}
         self.hung: set[str] = set()
+        self.carried_in: dict[str, int] = {}
         self.stop = threading.Event()
         self.frozen = threading.Event()
         self.seen: list = []
@@ -62,15 +67,22 @@ class FakeRank(threading.Thread):
                 if isinstance(msg, RunTask):
                     self.running[msg.assignment.trajectory_id] = (now + self.delay_s, msg)
                     self.generated += self.gen
+                    self.carried_in[msg.assignment.trajectory_id] = msg.carry["episode"]["generated"] if msg.carry else 0
                 elif isinstance(msg, CancelTask):
                     if self.running.pop(msg.task_id, None) or msg.task_id in self.hung:
                         self.hung.discard(msg.task_id)
-                        self.mb.post(0, TaskCancelled(msg.task_id, self.gen))
+                        self.mb.post(0, TaskCancelled(msg.task_id, self.gen, self.carried_in.get(msg.task_id, 0)))
                     else:
                         self.mb.post(0, TaskCancelled(msg.task_id, 0))
                 elif isinstance(msg, CancelAll):
                     for tid in [*self.running, *self.hung]:
-                        self.mb.post(0, TaskCancelled(tid, self.gen))
+                        carried = self.carried_in.get(tid, 0)
+                        if msg.carry:
+                            episode = {"generated": carried + self.gen}
+                            self.mb.post(0, TaskCarried(tid, {"claim": f"c-{tid}", "episode": episode, "started_at": 0.0},
+                                                        self.gen, carried))
+                        else:
+                            self.mb.post(0, TaskCancelled(tid, self.gen, carried))
                     self.running.clear()
                     self.hung.clear()
                     self.mb.post(0, AllCancelled(msg.epoch))
@@ -84,13 +96,15 @@ class FakeRank(threading.Thread):
                 del self.running[tid]
                 a = run.assignment
                 fate = self.fate(tid, a.attempt)
+                carried = self.carried_in.get(tid, 0)
+                n = carried + self.gen
                 if fate == "ok":
                     self.mb.post(0, TrajectoryDone(Trajectory(
-                        a.group_id, a.index, a.task["task_id"], 0, 3, self.gen, float(a.index), is_eval=a.is_eval,
-                        token_ids=[1] * (3 + self.gen), loss_mask=[0] * 3 + [1] * self.gen,
-                        logprobs=[0.0] * (3 + self.gen), segments=[Segment(3, 3 + self.gen, 0)])))
+                        a.group_id, a.index, a.task["task_id"], 0, 3, n, float(a.index), is_eval=a.is_eval,
+                        token_ids=[1] * (3 + n), loss_mask=[0] * 3 + [1] * n,
+                        logprobs=[0.0] * (3 + n), segments=[Segment(3, 3 + n, 0)]), carried))
                 elif fate == "fail":
-                    self.mb.post(0, TaskFailed(a, "EnvError: boom", generated_tokens=self.gen))
+                    self.mb.post(0, TaskFailed(a, "EnvError: boom", generated_tokens=self.gen, carried_tokens=carried))
                 elif fate == "hang":  # generated its first turn, then waits for an env that never answers
                     self.hung.add(tid)
                 # "vanish": generated, never reported
@@ -116,12 +130,13 @@ class FakeSender:
 
 
 def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
-                 max_failed_groups=3, ranks=(1,), start=True):
+                 max_failed_groups=3, ranks=(1,), start=True, ctb=False):
     mailbox = Mailbox(store, 0)
+    placement = CTBPlacement(JobConfig(), mailbox, list(ranks)) if ctb else RequestPlacement(mailbox, list(ranks), 8)
     buffer = GlobalBuffer(BufferConfig(group_size=G, b_min=G * groups_per_step, b_ideal=G * groups_per_step,
                                        max_staleness=1))
     health = RolloutHealth([], time.monotonic(), heartbeat_timeout_s=heartbeat_timeout_s, stall_timeout_s=stall_s)
-    svc = RolloutService(mailbox=mailbox, buffer=buffer, placement=RequestPlacement(mailbox, list(ranks), 8),
+    svc = RolloutService(mailbox=mailbox, buffer=buffer, placement=placement,
                          mode=mode_policy(mode), rollout_ranks=list(ranks), tasks=TASKS, group_size=G,
                          groups_per_step=groups_per_step, max_staleness=1, max_task_retries=retries,
                          max_failed_groups=max_failed_groups, seed=0, start_version=0, health=health,
@@ -374,6 +389,69 @@ def test_ers_moves_a_loaded_rank_to_the_trainer_and_back_and_a_new_rank_in_losin
         assert led["generated"] == sum(r.generated for r in ranks.values())
         assert svc.call(svc.quarantine_counts) == {"quarantines": 0, "rejoins": 0, "moves_out": 1, "moves_in": 2,
                                                    "out_of_service": 0}
+    finally:
+        svc.stop()
+        for r in ranks.values():
+            r.stop.set()
+
+
+def _ctb_move(store, *, cancel_in_transit: bool):
+    """Two ranks under CTB, groups on both; rank 2 (its tasks never end by themselves) moves to
+    the trainer. With `cancel_in_transit` its answer is held back while the groups on it are
+    cancelled, so the states it hands over arrive for groups that ended."""
+    ranks = {1: FakeRank(store, 1, delay_s=0.05), 2: FakeRank(store, 2, delay_s=100.0)}
+    for r in ranks.values():
+        r.start()
+    svc = make_service(store, mode="sync", ranks=(1, 2), retries=0, ctb=True, groups_per_step=4)
+    _until("both ranks", lambda: svc.call(lambda: len(svc.engines)) == 2)
+    svc.call(lambda: svc.request_groups(4))
+    _until("tasks on rank 2", lambda: len(ranks[2].running) >= G)
+    on_2 = sorted(ranks[2].running)
+    time.sleep(0.2)  # a heartbeat shows them running
+    if cancel_in_transit:
+        ranks[2].frozen.set()
+    assert svc.call(lambda: svc.move_to_trainer(2, "ERS: the trainer needs a rank")) == len(on_2)
+    if cancel_in_transit:
+        now = time.monotonic()
+        for gid in sorted({t.rsplit("/", 1)[0] for t in on_2}):
+            svc.call(lambda gid=gid: svc._give_up_group(gid, failed=False, reason="too stale", now=now))
+        ranks[2].frozen.clear()
+    _until("the hand-over", lambda: svc.call(lambda: svc.in_trainer(2)))
+    ranks[2].beat = False  # a trainer rank sends no heartbeat
+    return svc, ranks, on_2
+
+
+def test_a_move_under_ctb_hands_the_tasks_over_and_books_every_token_once(store):
+    svc, ranks, on_2 = _ctb_move(store, cancel_in_transit=False)
+    try:
+        batch, _, _ = wait_batch(svc)
+        assert batch.num_trajectories == 4 * G
+        carried = {m.assignment.trajectory_id for m in ranks[1].seen if isinstance(m, RunTask) and m.carry}
+        assert carried == set(on_2)  # each went on on rank 1 from its state
+        assert svc.call(lambda: (svc.counters["tasks_carried"], svc.counters["carried_tokens"],
+                                 svc.counters["retries"])) == (len(on_2), 5 * len(on_2), 0)
+        time.sleep(0.3)  # the last heartbeats
+        led = svc.call(svc.ledger_snapshot)
+        # trained trajectories hold the tokens of both ranks; nothing was wasted, lost or booked twice
+        assert led["lost"] == 0 and led["failed"] == 0 and led["cancelled"] == 0
+        assert led["generated"] == sum(r.generated for r in ranks.values())
+        assert led["consumed"] == sum(t.generated_tokens for t in batch.trajectories)
+    finally:
+        svc.stop()
+        for r in ranks.values():
+            r.stop.set()
+
+
+def test_a_task_handed_over_after_its_group_ended_is_wasted_once(store):
+    svc, ranks, on_2 = _ctb_move(store, cancel_in_transit=True)
+    try:
+        time.sleep(0.3)
+        assert not [m for m in ranks[1].seen if isinstance(m, RunTask) and m.carry]
+        assert svc.call(lambda: svc.counters["tasks_carried"]) == 0
+        led = svc.call(svc.ledger_snapshot)
+        groups = {t.rsplit("/", 1)[0] for t in on_2}  # every member of theirs is wasted, once
+        assert led["lost"] == 0 and led["cancelled"] == 5 * G * len(groups)
+        assert led["generated"] == sum(r.generated for r in ranks.values())
     finally:
         svc.stop()
         for r in ranks.values():
