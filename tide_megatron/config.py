@@ -155,6 +155,11 @@ class SchedulerConfig:
     colocated/decoupled choice from RAS and TPRM. See `controller/modes.py`."""
     groups_per_step: int = 4
     """GRPO groups in one global batch."""
+    min_groups_per_step: int = 0
+    """B_min in groups (`tide` only): after ERS scales rollout down, the next steps' size goes
+    toward it, leaving a micro-batch reservoir in the buffer for the step after, so a smaller
+    rollout is not drained every step (adaptive data retention, `core/buffer.py`). 0: the
+    steps keep `groups_per_step`."""
     group_size: int = 4
     """Trajectories per group (G)."""
     max_staleness: int = 1
@@ -354,6 +359,11 @@ def validate(cfg: JobConfig, world_size: int) -> None:
             not cfg.ers.move_ranks or cfg.cluster.rollout_ranks < cfg.trainer.tp_size + 1):
         raise ValueError("ers.drill=split moves a TP block of rollout ranks into the trainer: it needs "
                          "ers.move_ranks=true and cluster.rollout_ranks >= trainer.tp_size + 1")
+    if not 0 <= cfg.scheduler.min_groups_per_step <= cfg.scheduler.groups_per_step:
+        raise ValueError(f"scheduler.min_groups_per_step={cfg.scheduler.min_groups_per_step}: expected 0 (off) to "
+                         f"scheduler.groups_per_step={cfg.scheduler.groups_per_step}")
+    if cfg.scheduler.min_groups_per_step and cfg.scheduler.mode != "tide":
+        raise ValueError(f"scheduler.min_groups_per_step needs scheduler.mode=tide, got {cfg.scheduler.mode}")
     if not 1 <= cfg.scheduler.min_rollout_ranks <= cfg.cluster.rollout_ranks:
         raise ValueError(f"scheduler.min_rollout_ranks={cfg.scheduler.min_rollout_ranks}: expected 1 to "
                          f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} (below it the run stops)")

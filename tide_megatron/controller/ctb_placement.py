@@ -118,9 +118,6 @@ class CTBPlacement:
     def on_weight_sync(self) -> None:
         self.dispatcher.on_weight_sync()
 
-    def remove_rank(self, rank: int) -> list[str]:
-        return self.dispatcher.remove_rank(rank)
-
     @property
     def hands_over(self) -> bool:
         """A rank leaving rollout alive hands its tasks over (`hand_off_rank`) rather than

@@ -94,8 +94,8 @@ class Controller:
         self._eval_s = 0.0  # the last complete evaluation's duration (0: none yet)
         batch = sched.groups_per_step * sched.group_size
         buffer = GlobalBuffer(
-            BufferConfig(group_size=sched.group_size, b_min=sched.group_size if self.mode.streaming else batch,
-                         b_ideal=batch, max_staleness=sched.max_staleness),
+            BufferConfig(group_size=sched.group_size, b_min=(sched.min_groups_per_step or sched.groups_per_step)
+                         * sched.group_size, b_ideal=batch, max_staleness=sched.max_staleness),
             SignalsConfig(micro_batch_tokens=cfg.ra2p.cost_model.tokens_per_rank))
         self.stall_timeout_s = stall_timeout_s(cfg)
         health = RolloutHealth([], time.monotonic(), heartbeat_timeout_s=sched.heartbeat_timeout_s,
@@ -181,12 +181,12 @@ class Controller:
             self.rollout.call(lambda: self.rollout.request_groups(sched.groups_per_step))
         tprm = self.rollout.call(self._tprm_estimate)
         if self.mode.streaming:
-            ras, hol, ready = self.rollout.wait(
+            ras, hol, ready, groups = self.rollout.wait(
                 self.rollout.submit(lambda: self.rollout.open_step(sched.groups_per_step),
                                     when=self.rollout.step_can_open),
                 self.stall_timeout_s * 4, "the first ready group of the step")
             twt = time.perf_counter() - t0
-            outcome = self.trainer.train_stream(ready, sched.groups_per_step, ras, tprm, self._stream_into,
+            outcome = self.trainer.train_stream(ready, groups, ras, tprm, self._stream_into,
                                                 arrival_timeout_s=self.stall_timeout_s * 4)
         else:
             fetched = None

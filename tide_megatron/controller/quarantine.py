@@ -22,13 +22,13 @@ The run stops (with the silent rank's message) only when fewer than
 `scheduler.min_rollout_ranks` ranks are left in service.
 
 ERS moves ranks between rollout and the trainer along the same path, planned instead of
-forced (`kind`): a rank leaving for the trainer is taken out as in step 1 (its tasks are
-re-dispatched to the other ranks, where they start afresh; their tokens are wasted, not
-failed; with CTB they are handed over instead, see `rollout/task_carry.py`) and, once drained,
-stays out while it trains ("trainer"); a trainer rank that joins
-rollout (again, or for the first time) is "returning": it receives the weights at the very
-sync of its move, without first being heard from (its engine may still be starting; the send
-waits for its receive), and enters service as in step 4.
+forced (`kind`): a rank leaving for the trainer is taken out as in step 1, except that with
+CTB it hands its tasks over (they go on elsewhere, see `rollout/task_carry.py`; nothing is
+written off, as the rank answers for each) and without CTB they start afresh elsewhere (their
+tokens wasted, not failed); once drained it stays out while it trains ("trainer"). A trainer
+rank that joins rollout (again, or for the first time) is "returning": it receives the weights
+at the very sync of its move, without first being heard from (its engine may still be
+starting; the send waits for its receive), and enters service as in step 4.
 
 Owned by the rollout service thread, which calls everything here (nothing is locked or
 threaded); the service keeps the retries and the stop rule, this class the rest.

@@ -388,6 +388,7 @@ class RolloutService(threading.Thread):
             raise ValueError(f"rank {rank} is not a rollout rank in service")
         hand_over = self.placement.hands_over
         task_ids, written_off = self.quarantine.take_out(rank, reason, now, kind="trainer", hand_over=hand_over)
+        self.buffer.notify_rollout_scaled(-1)  # adaptive data retention
         if hand_over:
             self._handing_over.update((tid, rank) for tid in task_ids)
             self.counters["tasks_moved"] += len(task_ids)
@@ -415,6 +416,7 @@ class RolloutService(threading.Thread):
         """ERS moves trainer rank `rank` to rollout: it receives the next weights (its engine
         may still be starting) and takes tasks once it has loaded them."""
         self.quarantine.return_to_rollout(rank, time.monotonic())
+        self.buffer.notify_rollout_scaled(+1)
         logger.info("rank %d joins rollout; tasks go to it once it has loaded the next weights", rank)
 
     def ers_window(self, now: Optional[float] = None) -> dict[str, float]:
@@ -525,7 +527,8 @@ class RolloutService(threading.Thread):
         if self.mode.continuous_rollout:
             # Admission bounds staleness: a group started now must be consumable before the
             # step that trains version+max_staleness+1 ends; groups ahead of it take the slots.
-            cap = (self.max_staleness + 1) * self.groups_per_step - self._step_consumed_groups
+            # (steps are shorter while the buffer retains a reservoir: admission follows them)
+            cap = (self.max_staleness + 1) * self.buffer.paced_groups(self.groups_per_step) - self._step_consumed_groups
             while self._live_training_groups() < cap:
                 self._start_group()
             # full: no room for one more group, and every group started is admitted on a rank
@@ -605,15 +608,20 @@ class RolloutService(threading.Thread):
         self.evals.expect(version, assignments, time.monotonic())
 
     # ------------------------------------------------------------------ the trainer's step
-    def open_step(self, max_groups: int) -> tuple[float, float, list[CompletedGroup]]:
-        """A streaming step starts: RAS and the head-of-line age, and the groups ready now."""
+    def open_step(self, max_groups: int) -> tuple[float, float, list[CompletedGroup], int]:
+        """A streaming step starts: RAS and the head-of-line age, the groups ready now, and the
+        groups it trains in all (fewer than `max_groups` while the buffer retains a reservoir
+        after a rollout scale-down, see `GlobalBuffer.open_stream`)."""
         now = time.monotonic()
         hol = self.buffer.head_of_line_latency(now)
         ras = self.buffer.begin_step(now)
         self._step_started = now
-        taken = self.buffer.fetch(self.version, now, max_groups * self.group_size)
+        taken, groups = self.buffer.open_stream(self.version, now, max_groups)
         self._step_consumed_groups = len(taken)
-        return ras, hol, taken
+        if groups < max_groups:
+            logger.info("step of %d group(s), not %d: the buffer keeps a reservoir after a rollout scale-down",
+                        groups, max_groups)
+        return ras, hol, taken, groups
 
     def stream_into(self, sink, groups_left: int, on_group: Callable[[CompletedGroup], None]) -> None:
         """Completed groups of the open step go to `on_group` as they complete (this thread)."""

@@ -6,10 +6,12 @@ rollout/trainer split and the RA2P layout) and, when it differs from the one in 
 it out:
 
 1. A rank leaving rollout for the trainer stops taking tasks: the rollout service takes its
-   tasks back and re-dispatches them to the other ranks, where they start afresh (no KV moves;
-   their tokens so far are wasted, nothing is lost), and the rank drops them (`CancelAll`).
-   Rank 0 waits for its `AllCancelled` (a turn in flight ends first); this drain is the move's
-   share of the critical path on the rollout side.
+   tasks back (`CancelAll`) and, with CTB, the rank hands each one over: its episode so far and
+   its env session go on where CTB resumes it, re-prefilled under the new weights (no KV moves;
+   `rollout/task_carry.py`); without CTB, or for a task that had not begun, the task starts
+   afresh elsewhere. Rank 0 waits for its `AllCancelled` (a turn in flight ends first; an env
+   step in flight does not hold it up, its result comes with the session); this drain is the
+   move's share of the critical path on the rollout side.
 2. Every rank whose trainer role changes gets the new `TrainerAssignment` ("roles",
    `trainer.step_feed.post_roles`); rank 0 applies it itself (`TrainerWorker.apply`), the
    others answer "roles_done" with the seconds each part took. A joining actor receives the

@@ -30,7 +30,7 @@ import math
 import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Hashable, Optional
 
 from tide_megatron.core.signals import (
     ReadinessEstimate,
@@ -475,7 +475,8 @@ class GlobalBuffer:
                 b_min: int = 0, retaining: bool = False) -> list[Hashable]:
         """The ready groups a fetch takes, in order, without taking them: fresh ones, earliest
         deadline first, up to `max_trajectories`, keeping room for last-chance groups still
-        running; in retention mode stopping past `b_min` before the reservoir would be touched."""
+        running; in retention mode stopping past `b_min` before the reservoir would be touched
+        (never before a group on its last chance: left behind, it would be dropped as stale)."""
         reserve = self.last_chance_reserve(consumer_version)
         reservoir = self.config.reservoir_micro_batches * self.signals.micro_batch_tokens
         remaining_tokens = self.ready_tokens()
@@ -487,7 +488,8 @@ class GlobalBuffer:
             room = 0 if consumer_version - grp.policy_version == self.config.max_staleness else reserve
             if count + len(grp) + room > max_trajectories or (max_groups is not None and len(chosen) >= max_groups):
                 break  # in order: skipping ahead would let the head group age
-            if retaining and count >= b_min and remaining_tokens - grp.total_tokens < reservoir:
+            if retaining and count >= b_min and remaining_tokens - grp.total_tokens < reservoir \
+                    and consumer_version - grp.policy_version < self.config.max_staleness:
                 break
             chosen.append(gid)
             count += len(grp)
@@ -522,11 +524,7 @@ class GlobalBuffer:
         cfg = self.config
         if self.ready_trajectories() < cfg.b_min:
             return None
-        reservoir = cfg.reservoir_micro_batches * self.signals.micro_batch_tokens
-        if self.retaining and self.ready_trajectories() >= cfg.b_ideal and \
-                self.ready_tokens() - self._head_tokens(cfg.b_ideal) >= reservoir:
-            # Rollout caught up: a full batch still leaves the reservoir, so stop pacing.
-            self._retention_fetches_left = 0
+        self._end_retention_if_caught_up(cfg.b_ideal)
         retaining = self.retaining
         chosen = self._select(consumer_version, cfg.b_ideal, b_min=cfg.b_min, retaining=retaining)
         if sum(len(self._ready[g]) for g in chosen) < cfg.b_min:
@@ -536,6 +534,38 @@ class GlobalBuffer:
         if retaining:
             self._retention_fetches_left -= 1
         return TrainingBatch(tuple(taken), consumer_version, now)
+
+    def open_stream(self, consumer_version: int, now: float, max_groups: int) -> tuple[list[CompletedGroup], int]:
+        """A streaming step opens: the ready groups it takes now, and how many groups it trains in
+        all (the rest it takes as they complete). That is `max_groups`, except in retention mode
+        (after a rollout scale-down), where the step's size goes toward B_min: it takes ready
+        groups only while the micro-batch reservoir stays behind, and trains max(B_min, what it
+        took) in groups, so the groups completing during the next step find a shorter one."""
+        self.drop_stale(consumer_version, now)
+        cfg = self.config
+        self._end_retention_if_caught_up(max_groups * cfg.group_size)
+        retaining = self.retaining
+        chosen = self._select(consumer_version, max_groups * cfg.group_size, b_min=cfg.b_min, retaining=retaining)
+        taken = [self._consume(gid, consumer_version, now) for gid in chosen]
+        if not retaining:
+            return taken, max_groups
+        paced = self.paced_groups(max_groups)
+        self._retention_fetches_left -= 1
+        # never so small that a running group on its last chance would miss it
+        last_chance = self.last_chance_reserve(consumer_version) // cfg.group_size
+        return taken, min(max_groups, max(paced, len(taken) + last_chance))
+
+    def paced_groups(self, max_groups: int) -> int:
+        """Groups a step trains at least: B_min while retention paces consumption, else
+        `max_groups`. Admission follows it, so what is admitted can still be consumed in time."""
+        return min(max_groups, -(-self.config.b_min // self.config.group_size)) if self.retaining else max_groups
+
+    def _end_retention_if_caught_up(self, full_trajectories: int) -> None:
+        """Rollout caught up: a full step still leaves the reservoir behind, so stop pacing."""
+        reservoir = self.config.reservoir_micro_batches * self.signals.micro_batch_tokens
+        if self.retaining and self.ready_trajectories() >= full_trajectories and \
+                self.ready_tokens() - self._head_tokens(full_trajectories) >= reservoir:
+            self._retention_fetches_left = 0
 
     def _head_tokens(self, max_trajectories: int) -> int:
         tokens = count = 0

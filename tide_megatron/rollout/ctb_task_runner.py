@@ -11,6 +11,12 @@ scheduling needs:
   dispatcher and sends the whole context again, which re-uses any prefix still cached there.
 The environment session stays open while a task is paused: a paused task still holds its env.
 
+Moving to another process. When ERS moves its rank to the trainer, a task is handed over
+(`handle.carry`, then a cancel): it stops at its next await (after a turn in flight), detaches
+its env session and returns a `CarriedTask` (`task_carry.py`) instead of a trajectory; the rank
+that gets it (`run(..., carry=...)`) attaches the session and goes on with a fresh engine
+session, so its next turn re-prefills the whole context there.
+
 Weight updates. A task keeps running across them. The engine drains its turns before it loads
 new weights (`RolloutEngine.turn`), and every session opened under the old weights is dropped,
 so the task's next turn sends its whole context and is prefilled under the new weights; each

@@ -128,13 +128,18 @@ def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
     """ERS's split drill on 3 ranks with a slow env (tasks are resident when a move comes):
     rank 1 leaves rollout and joins the actors (DP=2), serves as the reference (decoupled),
     returns to rollout, and joins the actors again. Its tasks are handed over to rank 2 and go on
-    there (episode, env session and all); nothing is lost, every step trains its groups within
-    the staleness bound."""
+    there (episode, env session and all); nothing is lost, every step trains within the
+    staleness bound. After the rollout scale-down the buffer retains a reservoir
+    (`scheduler.min_groups_per_step=2`): a step trains fewer groups, and nothing is wasted."""
     rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=2", "ers.enabled=true",
-                 "ers.drill=split", "ers.drill_every=1", "run.steps=4", *SLOW_ENV)
+                 "ers.drill=split", "ers.drill_every=1", "run.steps=4", "scheduler.min_groups_per_step=2", *SLOW_ENV)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert r["groups"] == 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0
+        assert 2 <= r["groups"] <= 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0
+    # boundary 1 scales rollout down (retention for steps 2-3: a step may keep room for groups on
+    # their last chance, never less than 2); boundary 3 scales it up again
+    assert rows[0]["groups"] == 4 and min(r["groups"] for r in rows[1:3]) < 4 and rows[3]["groups"] == 4
+    assert rows[-1]["ledger/wasted"] <= 0.02 * rows[-1]["ledger/generated"]
     assert [r.get("ers/moves") for r in rows] == [1, 1, 2, None]  # none after the last step
     # The roles in force during step k are those the boundary after step k-1 chose.
     assert [r["trainer/dp_size"] for r in rows[1:]] == [2, 1, 1]

@@ -114,6 +114,42 @@ def test_adaptive_retention_fetches_toward_b_min_and_keeps_reservoir():
     assert batch.num_trajectories == 8 and not b.retaining
 
 
+def test_a_streaming_step_after_a_rollout_scale_down_goes_toward_b_min_and_keeps_the_reservoir():
+    # groups of 2 trajectories x 15 tokens = 30 tokens; a micro-batch is 30 tokens
+    b = GlobalBuffer(BufferConfig(group_size=2, b_min=4, b_ideal=8, reservoir_micro_batches=2, retention_steps=2),
+                     SignalsConfig(micro_batch_tokens=30))
+
+    def fill(n, start, version=0):
+        for g in range(start, start + n):
+            b.add_trajectory(traj(g, 0, version=version), 0.0)
+            b.add_trajectory(traj(g, 1, version=version), 0.0)
+
+    fill(3, 0)
+    taken, groups = b.open_stream(0, 1.0, max_groups=4)
+    assert (len(taken), groups) == (3, 4)  # no retention: all ready now, the fourth as it completes
+    fill(3, 10)
+    b.notify_rollout_scaled(-1)
+    taken, groups = b.open_stream(0, 2.0, max_groups=4)
+    assert (len(taken), groups) == (2, 2) and b.ready_tokens() == 30  # B_min; the rest stays
+    taken, groups = b.open_stream(0, 3.0, max_groups=4)
+    assert (len(taken), groups) == (1, 2) and b.retaining is False  # B_min, one to come; retention spent
+    fill(1, 20)
+    taken, groups = b.open_stream(0, 4.0, max_groups=4)
+    assert (len(taken), groups) == (1, 4)
+
+
+def test_retention_never_leaves_a_group_on_its_last_chance_behind():
+    b = GlobalBuffer(BufferConfig(group_size=2, b_min=2, b_ideal=8, max_staleness=1, reservoir_micro_batches=5),
+                     SignalsConfig(micro_batch_tokens=30))
+    for g in range(3):  # produced by version 0: consumer version 1 is their last chance
+        b.add_trajectory(traj(g, 0, version=0), 0.0)
+        b.add_trajectory(traj(g, 1, version=0), 0.0)
+    b.add_trajectory(traj(9, 0, version=0), 0.0)  # a group still running, also on its last chance
+    b.notify_rollout_scaled(-1)
+    taken, groups = b.open_stream(1, 1.0, max_groups=8)
+    assert len(taken) == 3 and groups == 4 and b.ledger.dropped_stale == 0  # room for it too
+
+
 def test_scale_up_ends_retention():
     b = buffer()
     b.notify_rollout_scaled(-2)

@@ -88,6 +88,7 @@ def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     ("scheduler.group_size=1", 2, "group_size"),
     ("envs.train_env=nope", 2, "envs.train_env='nope'"),
     ("scheduler.mode=fast", 2, "scheduler.mode='fast'"),
+    ("scheduler.min_groups_per_step=9", 2, "scheduler.min_groups_per_step=9: expected 0"),
 ])
 def test_validate_names_the_offending_keys(compose_job, override, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
