@@ -118,7 +118,10 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
         "rank_moves": int(max((r.get("ers/moves", 0) for r in rows), default=0)),
         "trainer_ranks_by_step": [int(r["ers/trainer_ranks"]) for r in rows if "ers/trainer_ranks" in r],
         "tasks_moved": int(last.get("rollout/tasks_moved", 0)),
+        "tasks_carried": int(last.get("rollout/tasks_carried", 0)),
+        "carried_tokens": int(last.get("rollout/carried_tokens", 0)),
         "role_change_s": sum(r.get("ers/role_change_s", 0.0) for r in rows),
+        "role_change_drain_s": sum(r.get("ers/role_change_drain_s", 0.0) for r in rows),
         "process_wall_s": round(wall, 1),
     }
 

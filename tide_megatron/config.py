@@ -260,6 +260,11 @@ class ERSJobConfig:
     engine start (on CPU a start takes tens of seconds of both cores). On GPU this needs SGLang's
     memory saver (`rollout.engine.extra_args.enable_memory_saver=true`), which frees the
     engine's memory while the rank trains. False: a rank's engine starts when it first rolls out."""
+    hand_over_tasks: bool = True
+    """With `move_ranks` and CTB, a rank leaving rollout hands its running tasks over: each goes on
+    on another rollout rank from where it was (its env session moves with it, which needs an env
+    server with the `detach`/`attach` calls; `rollout/task_carry.py`). False: they start afresh
+    elsewhere and their tokens so far are wasted."""
     preemptive_cold_start: bool = True
     """With `move_ranks`, before the first step every trainer rank but rank 0's TP block rolls out
     (nothing is ready to train yet: the paper's preemptive maximal rollout); the first step

@@ -107,7 +107,8 @@ class Controller:
             max_task_retries=sched.max_task_retries, max_failed_groups=sched.max_failed_groups,
             seed=cfg.run.seed, start_version=start_step, health=health,
             eval_pass_threshold=sched.eval_pass_threshold, weight_sender=WeightSender(topo.job_group, mailbox),
-            weight_sync_timeout_s=sched.weight_sync_timeout_s, min_rollout_ranks=sched.min_rollout_ranks)
+            weight_sync_timeout_s=sched.weight_sync_timeout_s, min_rollout_ranks=sched.min_rollout_ranks,
+            hand_over_tasks=cfg.ers.hand_over_tasks)
         self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
                                      health=self.rollout.check)
         self.trainer_rank = trainer

@@ -87,7 +87,8 @@ class RolloutService(threading.Thread):
                  rollout_ranks: list[int], tasks: list[dict[str, Any]], group_size: int, groups_per_step: int,
                  max_staleness: int, max_task_retries: int, max_failed_groups: int, seed: int,
                  start_version: int, health: RolloutHealth, eval_pass_threshold: float = 1.0,
-                 weight_sender=None, weight_sync_timeout_s: float = 300.0, min_rollout_ranks: int = 1):
+                 weight_sender=None, weight_sync_timeout_s: float = 300.0, min_rollout_ranks: int = 1,
+                 hand_over_tasks: bool = True):
         super().__init__(name="rollout-service", daemon=True)
         self.mailbox, self.buffer, self.placement, self.mode, self.health = mailbox, buffer, placement, mode, health
         self._startup_ranks = list(rollout_ranks)
@@ -105,6 +106,7 @@ class RolloutService(threading.Thread):
                                      mailbox=mailbox, weight_sender=weight_sender,
                                      weight_sync_timeout_s=weight_sync_timeout_s)
         self.min_rollout_ranks = min_rollout_ranks
+        self.hand_over_tasks = hand_over_tasks and placement.hands_over
         self._rng = random.Random(seed)
         self._stopping = threading.Event()
         self._calls: "queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future, Optional[Callable[[], bool]]]]" = \
@@ -386,7 +388,7 @@ class RolloutService(threading.Thread):
         now = time.monotonic()
         if rank not in self.quarantine.serving:
             raise ValueError(f"rank {rank} is not a rollout rank in service")
-        hand_over = self.placement.hands_over
+        hand_over = self.hand_over_tasks
         task_ids, written_off = self.quarantine.take_out(rank, reason, now, kind="trainer", hand_over=hand_over)
         self.buffer.notify_rollout_scaled(-1)  # adaptive data retention
         if hand_over:

@@ -32,12 +32,14 @@ images to SGLang with its new ids; a fresh session gets the whole context with e
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from sglang_patches.task_tag import ADMIT, RESUME, TURN, TaskTag
 from tide_megatron.envs.client import EnvClient
+from tide_megatron.envs.errors import EnvError
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.engine import Generation, RolloutEngine
 from tide_megatron.core.trajectory import Segment
@@ -45,6 +47,8 @@ from tide_megatron.models.qwen3_vl_inputs import encode_image_for_record
 from tide_megatron.rollout.multimodal import ImageInputError, observation_images
 from tide_megatron.rollout.task_carry import CarriedTask, episode_from_json, episode_to_json, pending_step
 from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
+
+logger = logging.getLogger(__name__)
 
 
 class TurnListener(Protocol):
@@ -180,8 +184,12 @@ class CTBTaskRunner:
                 raise
             # Handed over: the env session goes with the task (a detach does not wait for a
             # step in flight; the next rank gets its result with the attach).
-            carried = CarriedTask(await self.env.detach(env_session), episode_to_json(ep), started,
-                                  handle.pauses, handle.moves)
+            try:
+                claim = await self.env.detach(env_session)
+            except EnvError as exc:  # e.g. an env server without `detach`: the task starts afresh
+                logger.warning("task %s cannot be handed over (%s); it starts afresh elsewhere", tid, exc)
+                raise asyncio.CancelledError(f"not handed over: {exc}") from None
+            carried = CarriedTask(claim, episode_to_json(ep), started, handle.pauses, handle.moves)
         finally:
             async with handle.lock:
                 if handle.session_id is not None:

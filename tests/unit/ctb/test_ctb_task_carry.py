@@ -122,3 +122,26 @@ def test_a_session_that_disagrees_with_the_episode_is_refused(pending, server):
     ep = _Episode(tokens=[], env_wait_s=0.0, version=0, env_steps=3, pending_action=pending)
     with pytest.raises(RuntimeError, match="carried task"):
         pending_step(ep, server)
+
+
+def test_a_task_whose_env_server_cannot_detach_is_cancelled_and_its_session_closed():
+    """An env server without `detach` (an older external one): the task is not handed over; the
+    worker then reports it cancelled and rank 0 starts it afresh elsewhere."""
+    from tide_megatron.envs.errors import EnvRemoteError
+
+    env = HandoffEnv(steps=STEPS)
+
+    async def no_detach(session_id):
+        raise EnvRemoteError("127.0.0.1:1", "detach", "UnknownOp", "unknown op 'detach'")
+
+    env.detach = no_detach
+
+    async def go():
+        handle = TaskHandle("g0/0")
+        handle.place(1)
+        handle.carry = True
+        with pytest.raises(asyncio.CancelledError):
+            await _runner(env, 1).run(ASSIGNMENT, handle, _Listener())
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    assert env.resets == 1 and not env._left  # its env session was closed, not left behind
