@@ -126,6 +126,37 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
     }
 
 
+def alternate(variants: list[tuple[str, list[str]]], cfg: dict, args, tmp: Path, describe) -> list[dict]:
+    """Every variant (label, its Hydra overrides on top of `args.overrides`) once per repetition,
+    in alternating order (reversed every other repetition); seed `args.seed + rep` for all the
+    runs of a repetition. `describe(result)` is printed after each run."""
+    base, runs = list(args.overrides), []
+    for rep in range(args.reps):
+        for label, overrides in (variants if rep % 2 == 0 else list(reversed(variants))):
+            args.overrides = [*base, *overrides]
+            name = "".join(c if c.isalnum() else "_" for c in label)
+            result = run_one({**cfg, "label": label}, args, tmp / f"rep{rep}_{name}", args.seed + rep)
+            result["rep"] = rep
+            runs.append(result)
+            print(f"rep {rep} {label:<20} " + ("FAILED" if result["failed"] else describe(result)), flush=True)
+    args.overrides = base
+    return runs
+
+
+def summarize(runs: list[dict], labels: list[str], keys) -> dict[str, dict[str, float]]:
+    """Per variant that ran, the mean of each of `keys` over its runs."""
+    ok = [r for r in runs if not r["failed"]]
+    return {label: {k: statistics.fmean(r[k] for r in ok if r["label"] == label) for k in keys}
+            for label in labels if any(r["label"] == label for r in ok)}
+
+
+def paired_ratios(runs: list[dict], a: str, b: str, key: str = "run_goodput_tok_s") -> list[float]:
+    """`key` of variant `a` over that of `b`, per repetition where both ran."""
+    ok = {(r["rep"], r["label"]): r for r in runs if not r["failed"]}
+    reps = sorted({rep for rep, _ in ok})
+    return [ok[rep, a][key] / ok[rep, b][key] for rep in reps if (rep, a) in ok and (rep, b) in ok]
+
+
 def geomean(xs: list[float]) -> float:
     xs = [x for x in xs if x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
-from e2e_goodput import LATENCY, REPO, geomean, run_one  # noqa: E402
+from e2e_goodput import LATENCY, REPO, alternate, geomean, paired_ratios, summarize  # noqa: E402
 
 
 def main() -> int:
@@ -38,32 +37,18 @@ def main() -> int:
     args = parser.parse_args()
     args.recipe, args.groups_per_step = "tiny_cpu", 4
     split = {"rollout": args.rollout_ranks, "ref": 0, "actors": args.ranks - args.rollout_ranks}
-    variants = [("sleep_on_idle=true", "rollout.engine.sleep_on_idle=true"),
-                ("sleep_on_idle=false", "rollout.engine.sleep_on_idle=false")]
-    runs = []
+    variants = [("sleep_on_idle=true", ["rollout.engine.sleep_on_idle=true"]),
+                ("sleep_on_idle=false", ["rollout.engine.sleep_on_idle=false"])]
+    args.overrides = []
     tmp = Path(tempfile.mkdtemp(prefix="sleep_on_idle_"))
     try:
-        for rep in range(args.reps):
-            for label, override in (variants if rep % 2 == 0 else list(reversed(variants))):
-                args.overrides = [override]
-                cfg = {"label": label, "mode": "tide", "ers": False, **split}
-                result = run_one(cfg, args, tmp / f"rep{rep}_{label.replace('=', '_')}", args.seed + rep)
-                result["rep"] = rep
-                runs.append(result)
-                print(f"rep {rep} {label:<20} " + ("FAILED" if result["failed"] else
-                                                   f"{result['run_goodput_tok_s']:.1f} tok/s"), flush=True)
+        runs = alternate(variants, {"mode": "tide", "ers": False, **split}, args, tmp,
+                         lambda r: f"{r['run_goodput_tok_s']:.1f} tok/s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ok = [r for r in runs if not r["failed"]]
-    summary = {label: {k: statistics.fmean(r[k] for r in ok if r["label"] == label)
-                       for k in ("run_goodput_tok_s", "mean_step_goodput_tok_s", "rwt_plus_twt_s")}
-               for label, _ in variants if any(r["label"] == label for r in ok)}
-    ratios = []
-    for rep in range(args.reps):
-        on = [r for r in ok if r["rep"] == rep and r["label"] == variants[0][0]]
-        off = [r for r in ok if r["rep"] == rep and r["label"] == variants[1][0]]
-        if on and off:
-            ratios.append(on[0]["run_goodput_tok_s"] / off[0]["run_goodput_tok_s"])
+    summary = summarize(runs, [label for label, _ in variants], ("run_goodput_tok_s", "mean_step_goodput_tok_s", "rwt_plus_twt_s"))
+    ratios = paired_ratios(runs, variants[0][0], variants[1][0])
     print(f"\n{'variant':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}")
     for label, s in summary.items():
         print(f"{label:<22}{s['run_goodput_tok_s']:>10.1f}{s['mean_step_goodput_tok_s']:>11.1f}{s['rwt_plus_twt_s']:>10.1f}")

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
-from e2e_goodput import LATENCY, REPO, geomean, run_one  # noqa: E402
+from e2e_goodput import LATENCY, REPO, alternate, geomean, paired_ratios, summarize  # noqa: E402
 
 FIGURES = ("wasted_tokens", "wasted_share", "tasks_moved", "tasks_carried", "carried_tokens", "role_change_drain_s",
            "run_goodput_tok_s", "rwt_plus_twt_s")
@@ -41,32 +40,18 @@ def main() -> int:
     args.recipe, args.groups_per_step, args.ranks = "tiny_cpu", 4, 3
     split = {"rollout": 2, "ref": 0, "actors": 1}
     drill = ["ers.drill=split", "ers.drill_every=1"]
-    variants = [("hand over", "ers.hand_over_tasks=true"), ("start afresh", "ers.hand_over_tasks=false")]
-    runs = []
+    variants = [("hand over", ["ers.hand_over_tasks=true"]), ("start afresh", ["ers.hand_over_tasks=false"])]
+    args.overrides = list(drill)
     tmp = Path(tempfile.mkdtemp(prefix="task_handover_"))
     try:
-        for rep in range(args.reps):
-            for label, override in (variants if rep % 2 == 0 else list(reversed(variants))):
-                args.overrides = [*drill, override]
-                cfg = {"label": label, "mode": "tide", "ers": True, **split}
-                result = run_one(cfg, args, tmp / f"rep{rep}_{label.replace(' ', '_')}", args.seed + rep)
-                result["rep"] = rep
-                runs.append(result)
-                print(f"rep {rep} {label:<14} " + ("FAILED" if result["failed"] else
-                      f"wasted {result['wasted_tokens']} of {result['generated_tokens']} tokens, "
-                      f"{result['tasks_carried']}/{result['tasks_moved']} moved tasks carried, "
-                      f"{result['run_goodput_tok_s']:.1f} tok/s"), flush=True)
+        runs = alternate(variants, {"mode": "tide", "ers": True, **split}, args, tmp, lambda r: (
+            f"wasted {r['wasted_tokens']} of {r['generated_tokens']} tokens, {r['tasks_carried']}/{r['tasks_moved']} "
+            f"moved tasks carried, {r['run_goodput_tok_s']:.1f} tok/s"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ok = [r for r in runs if not r["failed"]]
-    summary = {label: {k: statistics.fmean(r[k] for r in ok if r["label"] == label) for k in FIGURES}
-               for label, _ in variants if any(r["label"] == label for r in ok)}
-    ratios = []
-    for rep in range(args.reps):
-        on = [r for r in ok if r["rep"] == rep and r["label"] == variants[0][0]]
-        off = [r for r in ok if r["rep"] == rep and r["label"] == variants[1][0]]
-        if on and off:
-            ratios.append(on[0]["run_goodput_tok_s"] / off[0]["run_goodput_tok_s"])
+    summary = summarize(runs, [label for label, _ in variants], FIGURES)
+    ratios = paired_ratios(runs, variants[0][0], variants[1][0])
     print(f"\n{'variant':<14}{'wasted':>8}{'share':>7}{'moved':>7}{'carried':>8}{'drain s':>8}{'tok/s':>8}")
     for label, s in summary.items():
         print(f"{label:<14}{s['wasted_tokens']:>8.0f}{s['wasted_share']:>7.3f}{s['tasks_moved']:>7.1f}"

@@ -148,21 +148,11 @@ class CTBDispatcher:
         runner there, end FAILED: the caller retries each (`requeue_failed`: a fresh prefill
         elsewhere) or cancels its group, as for the tasks of a dead engine. Returns their ids.
         `add_rank` brings the rank back."""
-        if not self.cfg.enabled:
-            raise ValueError("request-level dispatch (ctb.enabled=false) does not track where tasks run")
-        ids = [str(r.task.task_id) for r in self.policy.remove_rank(rank)]
-        ids += [str(t) for t in self.policy.tasks_in(TaskState.PAUSED)
-                if self.runner_rank.get(str(t)) == rank and str(t) not in ids]
-        self._quarantined.discard(rank)
-        self.rank_kv.pop(rank, None)
+        ids = self._take_out(rank)
         for tid in ids:
             self.policy.on_task_failed(tid)
-            self.runner_rank.pop(tid, None)
             self.stats["failures"] += 1
-        # Cancelled groups that waited for this rank's releases only: nothing is held there now.
-        for gid in sorted(self._forget_after_release):
-            if not self.policy.awaits_release(gid):
-                self.forget_group(gid)
+        self._forget_released_groups()
         return ids
 
     def hand_off_rank(self, rank: int) -> list[str]:
@@ -172,6 +162,15 @@ class CTBDispatcher:
         each one over (`task_carried`), and it starts where CTB resumes it once both happened.
         One the rank cannot hand over comes back through `task_not_carried` and starts afresh.
         Returns the ids of the tasks concerned."""
+        ids = self._take_out(rank)
+        self._transit.update((tid, _Transit()) for tid in ids)
+        self.stats["handed_over"] += len(ids)
+        self._forget_released_groups()
+        return ids
+
+    def _take_out(self, rank: int) -> list[str]:
+        """The rank leaves CTB's policy (its residents become paused tasks there); returns the
+        ids of the tasks whose runner it was, resident or paused."""
         if not self.cfg.enabled:
             raise ValueError("request-level dispatch (ctb.enabled=false) does not track where tasks run")
         ids = [str(r.task.task_id) for r in self.policy.remove_rank(rank)]
@@ -181,9 +180,13 @@ class CTBDispatcher:
         self.rank_kv.pop(rank, None)
         for tid in ids:
             self.runner_rank.pop(tid, None)
-            self._transit[tid] = _Transit()
-        self.stats["handed_over"] += len(ids)
         return ids
+
+    def _forget_released_groups(self) -> None:
+        """Cancelled groups that waited for releases of a rank that left: nothing is held there now."""
+        for gid in sorted(self._forget_after_release):
+            if not self.policy.awaits_release(gid):
+                self.forget_group(gid)
 
     def in_transit(self, task_id: str) -> bool:
         return task_id in self._transit

@@ -63,16 +63,7 @@ def test_eval_tasks_are_admitted_first():
 
 def test_a_paused_task_resumes_on_the_rank_that_holds_it_after_its_release():
     ctb, ranks = _placement(1000)
-    d = ctb.dispatcher
-    ctb.submit(_group("g0", n=3))
-    ctb.dispatch(0.0)
-    (probe,) = [m for r in ranks.values() for m in r.poll()]
-    tid = probe.assignment.trajectory_id
-    ctb.on_turn(_turn(tid, "started", 100, rank=d.runner_rank[tid]))
-    ctb.on_turn(_turn(tid, "finished", 120, rank=d.runner_rank[tid]))
-    ctb.dispatch(0.1)
-    for r in ranks.values():
-        r.poll()
+    d, _, _ = _admitted(ctb, ranks, n=3)
     # Every resident grows past its rank's budget: the lowest-priority ones are paused.
     for t, rank in list(d.runner_rank.items()):
         ctb.on_turn(_turn(t, "started", 600, rank=rank))
