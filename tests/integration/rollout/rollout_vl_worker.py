@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import io
 import json
 import os
@@ -45,11 +44,13 @@ class ImageEnv:
     def _images(self, task: str, turn: int) -> list[bytes]:
         return [screenshot(task, turn, k) for k in range(2 if turn == 1 else 1)]
 
-    @contextlib.asynccontextmanager
-    async def session(self, env, task_id, trajectory_id):
+    async def reset(self, env, task_id, trajectory_id):
         self.steps[trajectory_id] = 0
-        yield SimpleNamespace(observation=f"Task {task_id}: find the door.", session_id=trajectory_id,
-                              image_data=self._images(task_id, 0), info={})
+        return SimpleNamespace(observation=f"Task {task_id}: find the door.", session_id=trajectory_id,
+                               image_data=self._images(task_id, 0), info={})
+
+    async def close_quietly(self, session_id):
+        pass
 
     async def step(self, session_id, action):
         self.steps[session_id] += 1

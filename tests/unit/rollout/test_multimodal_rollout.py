@@ -94,10 +94,6 @@ class FakeEnv:
         self.per_turn, self.turns, self.text = per_turn, turns, text
         self.steps = 0
 
-    @contextlib.asynccontextmanager
-    async def session(self, env, task_id, trajectory_id):
-        yield SimpleNamespace(observation=self.text, session_id="e0", image_data=self.per_turn[0], info={})
-
     async def reset(self, env, task_id, trajectory_id):
         return SimpleNamespace(observation=self.text, session_id="e0", image_data=self.per_turn[0], info={})
 
