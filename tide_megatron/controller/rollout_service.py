@@ -268,9 +268,10 @@ class RolloutService(threading.Thread):
     def _on_task_end(self, msg, now: float) -> None:
         """A task ended on a rank: it finished, failed, was cancelled, or was handed over. The
         tokens of ranks that handed it over before are booked with this end (a trajectory
-        holds them already)."""
+        holds them already); only the rank that was handed the task reports any, which keeps a
+        late report of an older attempt elsewhere from booking them."""
         tid = _task_id(msg)
-        carried = self._carried.pop(tid, 0)
+        carried = self._carried.pop(tid, 0) if msg.carried_tokens else 0
         if self._handing_over.get(tid) == msg.src:  # the rank leaving rollout answers for it
             del self._handing_over[tid]
             if isinstance(msg, TaskCarried):

@@ -27,9 +27,10 @@ and, once it answered `AllCancelled`, posts it the trainer's "roles" message. Ea
 begun its episode is handed over rather than dropped: it stops at its next await (a turn in
 flight ends first), detaches its env session and answers `TaskCarried` with its episode so far
 (`rollout/task_carry.py`); rank 0 resumes it on another rank (`RunTask.carry`), which attaches
-the session and re-prefills the context under the new weights. `run` then returns that message and whatever the same read brought after it (the
-trainer's first commands), for `TrainerWorker.serve`; the engine releases its memory where
-SGLang can (`RolloutEngine.release_memory`). Moved back, the same worker `run`s again: the
+the session and re-prefills the context under the new weights. `run` then returns that
+message and whatever the same read brought after it (the trainer's first commands), for
+`TrainerWorker.serve`; the engine releases its memory where SGLang can
+(`RolloutEngine.release_memory`). Moved back, the same worker `run`s again: the
 engine resumes its memory and reports ready, and loads the weights rank 0 sent for its return.
 
 If the engine dies (its scheduler subprocess crashed or was killed), the rank survives: its
@@ -101,7 +102,7 @@ class _Task:
     """Tokens this task has generated so far (on every rank it ran on)."""
     carried_in: int = 0
     """Of `generated`: tokens generated on the ranks that handed the task over."""
-    carry: Optional[dict[str, Any]] = None
+    carry: Optional[CarriedTask] = None
     """The state it goes on from (`RunTask.carry`), if another rank handed it over."""
     turn_context: int = 0
     """Context tokens when the current turn started."""
@@ -318,9 +319,10 @@ class RolloutWorker:
             raise ValueError(f"rollout rank {self.rank}: task {tid} started twice")
         handle = TaskHandle(tid)
         handle.place(self.rank)
-        carried_in = CarriedTask.from_json(carry).generated if carry is not None else 0
+        state = CarriedTask.from_json(carry) if carry is not None else None
+        carried_in = state.generated if state is not None else 0
         task = self._tasks[tid] = _Task(assignment, handle, tag, generated=carried_in, carried_in=carried_in,
-                                        carry=carry)
+                                        carry=state)
         task.job = asyncio.get_running_loop().create_task(self._run_task(task))
         task.job.add_done_callback(lambda _, t=task: self._if_never_ran(t))
         if self._busy_since is None:
@@ -330,8 +332,7 @@ class RolloutWorker:
         tid = task.assignment.trajectory_id
         listener = _Listener(self, task)
         try:
-            carry = CarriedTask.from_json(task.carry) if task.carry is not None else None
-            result = await self._runner.run(task.assignment, task.handle, listener, carry)
+            result = await self._runner.run(task.assignment, task.handle, listener, task.carry)
             self._env_steps += task.state == "env step"
             if isinstance(result, CarriedTask):
                 self.mailbox.post(CONTROLLER, TaskCarried(tid, result.to_json(), *task.tokens))
@@ -363,7 +364,7 @@ class RolloutWorker:
             self.mailbox.post(CONTROLLER, TaskFailed(task.assignment, task.cancel_reason or "engine died", "",
                                                      *task.tokens))
         elif task.carry is not None and task.handle.carry:  # handed on untouched: its claim is unused
-            self.mailbox.post(CONTROLLER, TaskCarried(tid, task.carry, *task.tokens))
+            self.mailbox.post(CONTROLLER, TaskCarried(tid, task.carry.to_json(), *task.tokens))
         else:
             self.mailbox.post(CONTROLLER, TaskCancelled(tid, *task.tokens))
         self._forget(tid)
