@@ -174,10 +174,10 @@ class CTBTaskRunner:
             ep = episode_from_json(carry.episode, lambda data: self._images_of_carry(data, tid))
             attached = await self.env.attach(carry.claim)
             env_session = attached.session_id
-            if pending_step(ep, attached.turns) == "result":
-                step_result = attached.last
         carried: Optional[CarriedTask] = None
         try:
+            if carry is not None and pending_step(ep, attached.turns) == "result":
+                step_result = attached.last  # the step was in flight when the task was handed over
             await self._turns(env_session, ep, handle, listener, tid, step_result)
         except asyncio.CancelledError:
             if not handle.carry:
