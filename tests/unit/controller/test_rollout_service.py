@@ -458,6 +458,45 @@ def test_a_task_handed_over_after_its_group_ended_is_wasted_once(store):
             r.stop.set()
 
 
+def test_a_quarantine_of_the_rank_a_task_was_handed_to_books_its_carried_tokens_as_failed_once(store):
+    """Rank 2's tasks are handed over to rank 1, which then hangs: they are retried on rank 3
+    (joined meanwhile); the tokens generated on rank 2 are booked as failed with rank 1's."""
+    ranks = {1: FakeRank(store, 1, delay_s=0.05), 2: FakeRank(store, 2, delay_s=100.0),
+             3: FakeRank(store, 3, delay_s=0.05)}
+    for r in (1, 2):
+        ranks[r].start()
+    svc = make_service(store, mode="sync", ranks=(1, 2), retries=1, ctb=True, heartbeat_timeout_s=0.5)
+    try:
+        _until("both ranks", lambda: svc.call(lambda: len(svc.engines)) == 2)
+        svc.call(lambda: svc.request_groups(2))
+        _until("tasks on rank 2", lambda: len(ranks[2].running) >= G)
+        _until("rank 1's own tasks done (room for the handed-over ones)", lambda: not ranks[1].running)
+        on_2 = sorted(ranks[2].running)
+        ranks[1].delay_s = 100.0  # what it is handed now runs until it hangs
+        time.sleep(0.2)
+        svc.call(lambda: svc.move_to_trainer(2, "ERS"))
+        _until("the hand-over", lambda: svc.call(lambda: svc.in_trainer(2)))
+        ranks[2].beat = False
+        _until("the carried tasks on rank 1", lambda: set(on_2) <= set(ranks[1].running))
+        svc.call(lambda: svc.return_to_rollout(3))
+        svc.call(lambda: svc.send_weights(type("M", (), {"version": 1}), None))
+        ranks[3].start()
+        _until("rank 3 in service", lambda: svc.call(lambda: 3 in svc.quarantine.serving))
+        time.sleep(0.2)  # a heartbeat of rank 1 shows the carried tasks running, then it hangs
+        ranks[1].frozen.set()
+        batch, _, _ = wait_batch(svc)
+        assert batch.num_trajectories == 2 * G and svc.call(svc.quarantine_counts)["quarantines"] == 1
+        time.sleep(0.3)
+        led = svc.call(svc.ledger_snapshot)
+        # rank 1's own tokens of them (written off) and rank 2's carried ones, each booked once
+        assert led["lost"] == 0 and led["failed"] == 5 * 2 * len(on_2)
+        assert led["generated"] == sum(r.generated for r in ranks.values())
+    finally:
+        svc.stop()
+        for r in ranks.values():
+            r.stop.set()
+
+
 def test_a_move_needs_a_rank_in_service(store):
     svc = make_service(store, ranks=(1,))
     try:
