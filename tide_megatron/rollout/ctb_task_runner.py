@@ -176,7 +176,7 @@ class CTBTaskRunner:
             env_session = attached.session_id
         carried: Optional[CarriedTask] = None
         try:
-            if carry is not None and pending_step(ep, attached.turns) == "result":
+            if carry is not None and pending_step(ep, attached.turns, attached.last_turn) == "result":
                 step_result = attached.last  # the step was in flight when the task was handed over
             await self._turns(env_session, ep, handle, listener, tid, step_result)
         except asyncio.CancelledError:

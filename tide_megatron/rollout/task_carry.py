@@ -63,8 +63,9 @@ class CarriedTask:
                    int(data.get("moves", 0)), [int(r) for r in data.get("carried_from", [])])
 
 
-_PLAIN = ("tokens", "env_wait_s", "version", "loss_mask", "logprobs", "reward", "turns", "truncated", "generated",
-          "prompt_tokens", "cached_tokens", "generate_s", "info", "send_tokens", "env_steps", "pending_action")
+_REQUIRED = ("tokens", "env_wait_s", "version")  # `_Episode`'s fields without a default
+_PLAIN = (*_REQUIRED, "loss_mask", "logprobs", "reward", "turns", "truncated", "generated", "prompt_tokens",
+          "cached_tokens", "generate_s", "info", "send_tokens", "env_steps", "pending_action")
 
 
 def episode_to_json(ep: _Episode) -> dict[str, Any]:
@@ -78,9 +79,9 @@ def episode_from_json(data: dict[str, Any], prepare_images) -> _Episode:
     """The episode of a carried task; `prepare_images(list[bytes])` measures its images again
     (`ImagePrompts.prepare`; only called when there are images)."""
     ep = _Episode(tokens=list(data["tokens"]), env_wait_s=float(data["env_wait_s"]), version=int(data["version"]))
-    for k in _PLAIN[3:]:
+    for k in _PLAIN[len(_REQUIRED):]:
         setattr(ep, k, data[k])
-    ep.tokens, ep.loss_mask, ep.logprobs = list(ep.tokens), list(ep.loss_mask), list(ep.logprobs)
+    ep.loss_mask, ep.logprobs = list(ep.loss_mask), list(ep.logprobs)
     if not len(ep.tokens) == len(ep.loss_mask) == len(ep.logprobs) or sum(ep.loss_mask) != ep.generated:
         raise ValueError("carried episode: tokens, loss mask and log-probs disagree")
     ep.segments = [Segment(int(a), int(b), int(v)) for a, b, v in data["segments"]]
@@ -89,9 +90,11 @@ def episode_from_json(data: dict[str, Any], prepare_images) -> _Episode:
     return ep
 
 
-def pending_step(ep: _Episode, server_steps: int) -> Optional[str]:
+def pending_step(ep: _Episode, server_steps: int, last_turn: Optional[int] = None) -> Optional[str]:
     """What the new rank does about the episode's last action (module docstring): "send" it,
-    take the attach's "result", or nothing (None: the episode ends with an observation)."""
+    take the attach's "result", or nothing (None: the episode ends with an observation).
+    `last_turn`: the step the attach's result answers (`AttachResult.last_turn`); when the env
+    took the step but the server refused its result, the task fails as it would have there."""
     if ep.pending_action is None:
         if server_steps != ep.env_steps:
             raise RuntimeError(f"carried task: the env session took {server_steps} steps, the episode holds "
@@ -100,6 +103,9 @@ def pending_step(ep: _Episode, server_steps: int) -> Optional[str]:
     if server_steps == ep.env_steps:
         return "send"
     if server_steps == ep.env_steps + 1:
+        if last_turn is not None and last_turn != server_steps:
+            raise RuntimeError(f"carried task: the env server refused the result of step {server_steps} "
+                               "(a NaN reward or a bad image)")
         return "result"
     raise RuntimeError(f"carried task: the env session took {server_steps} steps, the episode holds "
                        f"{ep.env_steps} results and one action awaits its step")

@@ -222,5 +222,5 @@ class HandoffEnv(FakeEnv):
         self.detached.remove(sid)
         while sid in self.stepping:  # the server's attach waits for a step in flight
             await asyncio.sleep(0.001)
-        return SimpleNamespace(session_id=sid, turns=self.turns[sid], done=self._left[sid] <= 0,
+        return SimpleNamespace(session_id=sid, turns=self.turns[sid], last_turn=self.turns[sid], done=self._left[sid] <= 0,
                                last=self.last.get(sid))

@@ -117,11 +117,12 @@ def test_the_new_rank_reads_the_env_sessions_step_count(pending, server, expect)
     assert pending_step(ep, server) == expect
 
 
-@pytest.mark.parametrize("pending,server", [(None, 4), ("a", 2), ("a", 5)])
-def test_a_session_that_disagrees_with_the_episode_is_refused(pending, server):
+@pytest.mark.parametrize("pending,server,last_turn", [(None, 4, 4), ("a", 2, 2), ("a", 5, 5), ("a", 4, 3)])
+def test_a_session_that_disagrees_with_the_episode_is_refused(pending, server, last_turn):
+    """(the last: the env took the pending step, but the server refused its result)"""
     ep = _Episode(tokens=[], env_wait_s=0.0, version=0, env_steps=3, pending_action=pending)
     with pytest.raises(RuntimeError, match="carried task"):
-        pending_step(ep, server)
+        pending_step(ep, server, last_turn)
 
 
 def test_a_task_whose_env_server_cannot_detach_is_cancelled_and_its_session_closed():
