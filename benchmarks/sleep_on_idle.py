@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
-from e2e_goodput import LATENCY, REPO, alternate, geomean, paired_ratios, summarize  # noqa: E402
+from e2e_goodput import LATENCY, REPO, alternate, geomean, paired_ratios, ratio_record, summarize  # noqa: E402
 
 
 def main() -> int:
@@ -59,8 +59,7 @@ def main() -> int:
         "config": {"ranks": args.ranks, "split": split, "steps": args.steps, "reps": args.reps, "seed": args.seed,
                    "latency_overrides": LATENCY},
         "summary": summary,
-        "run_goodput_ratio_on_over_off": {"per_rep": [round(x, 3) for x in ratios],
-                                          "geomean": round(geomean(ratios), 3) if ratios else None},
+        "run_goodput_ratio_on_over_off": ratio_record(ratios),
         "runs": runs,
     }
     bench_record.write(args.out, record)

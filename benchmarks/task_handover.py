@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
-from e2e_goodput import LATENCY, REPO, alternate, geomean, paired_ratios, summarize  # noqa: E402
+from e2e_goodput import LATENCY, REPO, alternate, geomean, paired_ratios, ratio_record, summarize  # noqa: E402
 
 FIGURES = ("wasted_tokens", "wasted_share", "tasks_moved", "tasks_carried", "carried_tokens", "role_change_drain_s",
            "run_goodput_tok_s", "rwt_plus_twt_s")
@@ -64,8 +64,7 @@ def main() -> int:
         "config": {"ranks": args.ranks, "split": split, "steps": args.steps, "reps": args.reps, "seed": args.seed,
                    "drill": drill, "latency_overrides": LATENCY},
         "summary": summary,
-        "run_goodput_ratio_hand_over_over_afresh": {"per_rep": [round(x, 3) for x in ratios],
-                                                    "geomean": round(geomean(ratios), 3) if ratios else None},
+        "run_goodput_ratio_hand_over_over_afresh": ratio_record(ratios),
         "runs": runs,
     }
     bench_record.write(args.out, record)
