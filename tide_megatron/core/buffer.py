@@ -301,6 +301,7 @@ class GlobalBuffer:
         self._completed_ids: set[Hashable] = set()
         self._retention_fetches_left = 0
         self._consumed_this_step = 0
+        self._open_step_groups: Optional[int] = None  # the open streaming step's size, fixed at open
 
     # ------------------------------------------------------------------ producer side
     def open_group(self, group_id: Hashable, task_id: Hashable, now: float, *,
@@ -547,18 +548,33 @@ class GlobalBuffer:
         retaining = self.retaining
         chosen = self._select(consumer_version, max_groups * cfg.group_size, b_min=cfg.b_min, retaining=retaining)
         taken = [self._consume(gid, consumer_version, now) for gid in chosen]
-        if not retaining:
-            return taken, max_groups
-        paced = self.paced_groups(max_groups)
-        self._retention_fetches_left -= 1
-        # never so small that a running group on its last chance would miss it
-        last_chance = self.last_chance_reserve(consumer_version) // cfg.group_size
-        return taken, min(max_groups, max(paced, len(taken) + last_chance))
+        size = max_groups
+        if retaining:
+            self._retention_fetches_left -= 1
+            # never so small that a running group on its last chance would miss it
+            last_chance = self.last_chance_reserve(consumer_version) // cfg.group_size
+            size = min(max_groups, max(self._paced_groups(max_groups), len(taken) + last_chance))
+        self._open_step_groups = size
+        return taken, size
 
-    def paced_groups(self, max_groups: int) -> int:
-        """Groups a step trains at least: B_min while retention paces consumption, else
-        `max_groups`. Admission follows it, so what is admitted can still be consumed in time."""
-        return min(max_groups, -(-self.config.b_min // self.config.group_size)) if self.retaining else max_groups
+    def window_groups(self, max_groups: int) -> int:
+        """Groups the staleness window holds: a group admitted now can be trained by the step
+        that is open (or opens next) and the `max_staleness` steps after it, so admission keeps
+        the live groups plus those the open step consumed within the sum of those steps' sizes.
+        Each is `max_groups`, except the open step once its size is fixed and the steps that
+        retention will pace toward B_min (a lower bound: retention may end early, and a paced
+        step grows for groups on their last chance). Counting every step as `max_groups` would
+        admit, in the last paced step, groups that only full steps could consume in time."""
+        left = self._retention_fetches_left  # paced steps still to open
+        sizes = [] if self._open_step_groups is None else [self._open_step_groups]
+        while len(sizes) < self.config.max_staleness + 1:
+            sizes.append(self._paced_groups(max_groups) if left > 0 else max_groups)
+            left -= 1
+        return sum(sizes)
+
+    def _paced_groups(self, max_groups: int) -> int:
+        """A paced step's size: B_min in whole groups (at most `max_groups`)."""
+        return min(max_groups, -(-self.config.b_min // self.config.group_size))
 
     def _end_retention_if_caught_up(self, full_trajectories: int) -> None:
         """Rollout caught up: a full step still leaves the reservoir behind, so stop pacing."""
@@ -616,6 +632,7 @@ class GlobalBuffer:
     def end_step(self, now: float) -> StepReadiness:
         """The actor update finished: close the step measurement and update the estimate."""
         step = self.meter.end_step(now, self._consumed_this_step)
+        self._open_step_groups = None
         self.estimator.observe(step)
         return step
 

@@ -130,7 +130,8 @@ class WorkloadConfig:
     batch_groups: int = MISSING
     """Groups in one global batch (B_ideal)."""
     min_batch_groups: int = MISSING
-    """B_min: smallest elastic batch TIDE may train on."""
+    """B_min: the step size (in groups) ERS's adaptive data retention paces steps toward after a
+    rollout scale-down (`GlobalBuffer.open_stream`)."""
     eval_every: int = MISSING
     """An evaluation phase runs after every `eval_every` steps (0: never)."""
     eval_tasks: int = MISSING

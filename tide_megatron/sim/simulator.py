@@ -14,7 +14,8 @@ scheduling, as in the paper's comparison (the trainer processes live in `sim/tra
   when the expected gain exceeds the measured switch cost, with an adaptive deactivate ratio.
 - `tide`: streaming plus, cumulatively, RA2P (mode choice, just-in-time micro-batches,
   aggregation rounds sized by the cost model, decoupled pipeline), ERS (the closed-loop split,
-  preemptive loans, elastic batch) and CTB (task-level rollout scheduling), through the core
+  preemptive loans, adaptive data retention: steps paced toward B_min after a rollout
+  scale-down, sized when they open as on the real stack) and CTB (task-level rollout scheduling), through the core
   objects: `GlobalBuffer`, `CTBScheduler`, `trainer_layout`/`should_feed`/`plan_microbatches`,
   `ERSController`. Nothing here re-decides what those objects decide.
 
@@ -103,7 +104,6 @@ class Simulator:
         stats = self.workload.sample_stats()
         self.G = wl.group_size
         self.B = wl.batch_groups * wl.group_size
-        self.slot_cap = (wl.staleness_bound + 1) * self.B
         self.tide = self.mode == "tide"
         self.elastic = self.tide and sched.ers
         self.ra2p_cfg = RA2PConfig(tokens_per_rank=sched.microbatch_tokens, actors_per_ref=sched.ref_actor_ratio)
@@ -218,7 +218,7 @@ class Simulator:
     def feed(self) -> None:
         """Offer the rollout the tasks the staleness window has room for: live groups (submitted,
         not yet consumed, cancelled or dropped) plus what the current step took stay within
-        (bound + 1) x B trajectories. The (bound + 1) steps ahead consume (bound + 1) x B, the
+        (bound + 1) x B trajectories (`slot_cap`: B shrinks while the buffer paces steps). The (bound + 1) steps ahead consume (bound + 1) x B, the
         current step's consumption included, and every admitted group must fall within them:
         counting only live groups admits work no step can consume in time, and every group
         that then misses frees a slot for another that will miss (observed: half of all tokens
@@ -298,6 +298,19 @@ class Simulator:
         self.ready_trajectories -= trajs
         self.ready_tokens -= tokens
         self.finished_unconsumed -= trajs
+
+    @property
+    def slot_cap(self) -> int:
+        """Trajectories the staleness window holds: the open step and the `bound` after it,
+        shorter while the buffer paces steps after a rollout scale-down (`window_groups`)."""
+        return self.buffer.window_groups(self.B // self.G) * self.G
+
+    def open_stream(self) -> tuple[List[CompletedGroup], int]:
+        """A streaming step opens on its first ready data: the groups it takes now, and the
+        trajectories it trains in all (`GlobalBuffer.open_stream`, as on the real stack)."""
+        groups, n_groups = self.buffer.open_stream(self.version, self.loop.now, self.B // self.G)
+        self._taken(groups)
+        return groups, n_groups * self.G
 
     def take(self, max_trajectories: int) -> List[CompletedGroup]:
         """Streaming fetch for the trainer (whole fresh groups, oldest first)."""

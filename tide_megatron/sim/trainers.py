@@ -150,7 +150,6 @@ def run_stream(sim):
                                 "cold start")
         yield from sim.end_cold_start()
     ra2p = sim.ra2p_cfg
-    b_min = sim.buffer.config.b_min
     for step in range(sim.cfg.steps):
         start = sim.loop.now
         sim.begin_step(start)
@@ -159,6 +158,8 @@ def run_stream(sim):
         pipeline = DecoupledPipeline(sim.costs, dp, n_ref, ra2p, ra2p.pipeline_fill_s) \
             if mode is RA2PMode.DECOUPLED else None
         consumed = tokens = 0
+        size = sim.B  # trajectories the step trains: fixed when it opens (GlobalBuffer.open_stream)
+        opened = False
         busy_until = sim.loop.now
         wait = compute = 0.0
         held = -1  # ready_changes when the buffer last held its ready groups back
@@ -169,17 +170,12 @@ def run_stream(sim):
             if vanilla:
                 return sim.ready_trajectories > 0
             return should_feed(mode, sim.ready_tokens, dp, ra2p, trainer_idle=idle,
-                               completes_step=sim.ready_trajectories >= sim.B - consumed,
+                               completes_step=sim.ready_trajectories >= size - consumed,
                                round_micro_batches=round_mb)
 
-        while consumed < sim.B:
+        while consumed < size:
             idle = sim.loop.now >= busy_until
             if not feed_now(idle):
-                if sim.elastic and idle and consumed >= b_min and sim.ready_trajectories == 0 \
-                        and not sim.buffer.doomed_groups(sim.version + 1):
-                    # elastic batch: train on what arrived instead of idling, unless closing the
-                    # step now would cancel groups that could still make this step
-                    break
                 if idle:  # nothing to compute until enough is ready: trainer waiting time
                     wait += yield from sim.wait_for(lambda: feed_now(True), "data")
                 else:  # the pipeline is still busy: wake on new data or when it drains
@@ -187,7 +183,13 @@ def run_stream(sim):
                     sim.loop.at(until, sim.loop.notify)
                     yield WaitUntil(lambda: feed_now(False) or sim.loop.now >= until)
                 continue
-            groups = sim.take(sim.B - consumed)
+            if not opened:  # the real stack opens a step on its first ready group, as here
+                opened = True
+                groups, size = sim.open_stream()
+                if not groups:  # all kept back as the reservoir: the step's own fetches take them
+                    continue
+            else:
+                groups = sim.take(size - consumed)
             if not groups:
                 held = sim.ready_changes
                 continue
