@@ -6,11 +6,12 @@
 
 Runs sync; async_static (AReaL-like), stream (StreamRL-like) and elastic (verl-like dynamic
 scaling, its standalone rollout share) at every share of the paper's sweep, each reported at
-its own best share; and TIDE's cumulative ablation (stream +RA2P, +ERS, +CTB) from its fixed
-starting split (SchedulerConfig.initial_rollout_share), which no sweep informs. Every run
-carries both goodput bounds (tide_megatron/sim/bounds.py). Writes
-benchmarks/results/sim_paper_<workload>.json (command, machine, date, each run's command line
-and summary, the figures, the goals and whether each was met) and PNGs, prints a short table.
+its own best share; and TIDE's cumulative ablation (stream +RA2P, +ERS, +CTB, then ERS's
+adaptive data retention, off by default) from its fixed starting split
+(SchedulerConfig.initial_rollout_share), which no sweep informs. Every run carries both
+goodput bounds (tide_megatron/sim/bounds.py). Writes benchmarks/results/sim_paper_<workload>.json
+(command, machine, date, each run's command line and summary, the figures, the goals and
+whether each was met) and PNGs, prints a short table.
 Every figure is what the model gives with the cited constants; nothing is tuned toward a goal.
 """
 
@@ -34,6 +35,7 @@ SETUPS = {"text": "text_32gpu", "mm": "mm_32gpu", "shifted": "text_shifted_32gpu
 SWEPT = ("async_static", "stream", "elastic")
 ABLATION = [("tide_stream+ra2p", "true", "false", "false"), ("tide_stream+ra2p+ers", "true", "true", "false"),
             ("tide", "true", "true", "true")]
+RETENTION = "tide+retention"  # TIDE with ERS's adaptive data retention on (off by default, as on the real stack)
 PAPER = {"tide_over_sync": 5.6, "tide_over_best_static": 1.8, "tide_over_stream": 7.0,
          "mm_tide_over_async": 1.33, "waiting_reduction": "68.6-77.6%", "kv_hit_rate_gain": 1.58}
 GOALS = {  # issue 10: what TIDE must show on every workload, the held-out one included
@@ -109,6 +111,7 @@ def figures_of(runs: dict, best: dict) -> dict:
             "ra2p_over_best_stream": runs["tide_stream+ra2p"]["goodput"] / stream["goodput"],
             "ers_over_ra2p": runs["tide_stream+ra2p+ers"]["goodput"] / runs["tide_stream+ra2p"]["goodput"],
             "ctb_over_ers": tide["goodput"] / runs["tide_stream+ra2p+ers"]["goodput"],
+            "retention_over_tide": runs[RETENTION]["goodput"] / tide["goodput"],
         },
     }
     ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
@@ -135,6 +138,7 @@ def main() -> None:
     for key, ra2p, ers, ctb in ABLATION:
         runs[key], metrics[key] = run(setup, base + ["mode=tide", f"scheduler.ra2p={ra2p}", f"scheduler.ers={ers}",
                                                      f"scheduler.ctb={ctb}"])
+    runs[RETENTION], metrics[RETENTION] = run(setup, base + ["mode=tide", "scheduler.ers_retention=true"])
     figures = figures_of(runs, best)
     if args.workload == "text" and not args.steps:
         print("[kv micro-benchmark] one H100, 1,312 WebShop tasks")
@@ -151,7 +155,7 @@ def main() -> None:
     suffix = "" if not args.steps else f"_{args.steps}steps"
     (out / f"sim_paper_{args.workload}{suffix}.json").write_text(json.dumps(result, indent=1))
     if not args.steps:
-        rows = [(k, runs[k]["goodput"]) for k in ["sync", *best.values(), *(a[0] for a in ABLATION)]]
+        rows = [(k, runs[k]["goodput"]) for k in ["sync", *best.values(), *(a[0] for a in ABLATION), RETENTION]]
         plot_goodput_bars(rows + [("ideal", runs["tide"]["ideal_attainable_goodput"])],
                           out / f"sim_paper_{args.workload}_goodput.png", f"{setup}: goodput, each baseline at its best")
         plot_runs_comparison({k: metrics[k] for k in (best["async_static"], best["elastic"], "tide")},

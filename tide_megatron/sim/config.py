@@ -131,7 +131,7 @@ class WorkloadConfig:
     """Groups in one global batch (B_ideal)."""
     min_batch_groups: int = MISSING
     """B_min: the step size (in groups) ERS's adaptive data retention paces steps toward after a
-    rollout scale-down (`GlobalBuffer.open_stream`)."""
+    rollout scale-down (`GlobalBuffer.open_stream`), with `scheduler.ers_retention`."""
     eval_every: int = MISSING
     """An evaluation phase runs after every `eval_every` steps (0: never)."""
     eval_tasks: int = MISSING
@@ -180,6 +180,9 @@ class SchedulerConfig:
     """ERS: ranks moved per step at most (the paper bounds trainer scale-up to one per step)."""
     ers_preemptive: bool = True
     """ERS: preemptive maximal rollout at cold start and during evaluation phases (loans)."""
+    ers_retention: bool = False
+    """ERS: adaptive data retention, steps paced toward B_min (`workload.min_batch_groups`) after
+    a rollout scale-down; off by default, as in the real system (`scheduler.min_groups_per_step=0`)."""
     min_rollout_share: float = 0.125
     """Lowest rollout share ERS may reach."""
     max_rollout_share: float = 0.875

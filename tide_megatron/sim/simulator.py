@@ -14,8 +14,8 @@ scheduling, as in the paper's comparison (the trainer processes live in `sim/tra
   when the expected gain exceeds the measured switch cost, with an adaptive deactivate ratio.
 - `tide`: streaming plus, cumulatively, RA2P (mode choice, just-in-time micro-batches,
   aggregation rounds sized by the cost model, decoupled pipeline), ERS (the closed-loop split,
-  preemptive loans, adaptive data retention: steps paced toward B_min after a rollout
-  scale-down, sized when they open as on the real stack) and CTB (task-level rollout scheduling), through the core
+  preemptive loans, and with `ers_retention` adaptive data retention: steps paced toward B_min
+  after a rollout scale-down, sized when they open as on the real stack) and CTB (task-level rollout scheduling), through the core
   objects: `GlobalBuffer`, `CTBScheduler`, `trainer_layout`/`should_feed`/`plan_microbatches`,
   `ERSController`. Nothing here re-decides what those objects decide.
 
@@ -110,7 +110,7 @@ class Simulator:
         self.costs = TrainerCosts(self.hw, self.gpus_per_rank, stats["total_tokens"])
         self.ra2p_cfg.swap_cost_s = self.costs.swap_s(max(1, self.n_ranks // 2))
         self.loop = EventLoop()
-        b_min = wl.min_batch_groups * self.G if self.elastic else self.B
+        b_min = wl.min_batch_groups * self.G if self.elastic and sched.ers_retention else self.B
         self.buffer = GlobalBuffer(BufferConfig(group_size=self.G, b_min=b_min, b_ideal=self.B,
                                                 max_staleness=wl.staleness_bound),
                                    SignalsConfig(micro_batch_tokens=sched.microbatch_tokens))

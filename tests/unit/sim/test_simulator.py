@@ -102,9 +102,9 @@ def test_steps_shrink_toward_b_min_only_after_a_rollout_scale_down(small_config,
     """Adaptive data retention as on the real stack: a step's size is fixed when it opens
     (`GlobalBuffer.open_stream`); after ERS shrinks rollout (from 7/8) some steps train fewer than
     B trajectories, never fewer than B_min; while ERS only grows rollout (from 1/8) every step
-    trains B."""
+    trains B. Retention off (the default), every step trains B."""
     sim = Simulator(small_config("mode=tide", "steps=10", "workload.eval_every=0", "scheduler.ers_preemptive=false",
-                                 f"scheduler.initial_rollout_share={share}",
+                                 "scheduler.ers_retention=true", f"scheduler.initial_rollout_share={share}",
                                  "scheduler.min_rollout_share=0.125", "scheduler.max_rollout_share=0.875"))
     m = sim.run()
     sizes = [s.trajectories for s in m.steps]
@@ -112,6 +112,9 @@ def test_steps_shrink_toward_b_min_only_after_a_rollout_scale_down(small_config,
     assert b_min < sim.B and all(b_min <= n <= sim.B for n in sizes)
     assert any(n < sim.B for n in sizes) == shrinks, sizes
     assert m.wasted_tokens == 0  # admission follows the shorter steps: nothing admitted misses
+    off = run_simulation(small_config("mode=tide", "steps=10", "workload.eval_every=0", "scheduler.ers_preemptive=false",
+                                      f"scheduler.initial_rollout_share={share}"))
+    assert all(s.trajectories == sim.B for s in off.steps)
 
 
 def test_ers_cold_start_lends_trainer_ranks_to_rollout(small_config):
