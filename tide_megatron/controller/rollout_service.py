@@ -531,7 +531,7 @@ class RolloutService(threading.Thread):
             # Admission bounds staleness: a group started now must be consumable before the
             # step that trains version+max_staleness+1 ends; groups ahead of it take the slots
             # (steps are shorter while the buffer retains a reservoir: the window follows them).
-            cap = self.buffer.window_groups(self.groups_per_step) - self._step_consumed_groups
+            cap = self.buffer.window_groups(self.groups_per_step, self.version) - self._step_consumed_groups
             while self._live_training_groups() < cap:
                 self._start_group()
             # full: no room for one more group, and every group started is admitted on a rank

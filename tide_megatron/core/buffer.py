@@ -301,7 +301,7 @@ class GlobalBuffer:
         self._completed_ids: set[Hashable] = set()
         self._retention_fetches_left = 0
         self._consumed_this_step = 0
-        self._open_step_groups: Optional[int] = None  # the open streaming step's size, fixed at open
+        self._opened: Optional[tuple[int, int]] = None  # the last streaming step: (consumer version, groups)
 
     # ------------------------------------------------------------------ producer side
     def open_group(self, group_id: Hashable, task_id: Hashable, now: float, *,
@@ -554,19 +554,22 @@ class GlobalBuffer:
             # never so small that a running group on its last chance would miss it
             last_chance = self.last_chance_reserve(consumer_version) // cfg.group_size
             size = min(max_groups, max(self._paced_groups(max_groups), len(taken) + last_chance))
-        self._open_step_groups = size
+        self._opened = (consumer_version, size)
         return taken, size
 
-    def window_groups(self, max_groups: int) -> int:
-        """Groups the staleness window holds: a group admitted now can be trained by the step
-        that is open (or opens next) and the `max_staleness` steps after it, so admission keeps
-        the live groups plus those the open step consumed within the sum of those steps' sizes.
-        Each is `max_groups`, except the open step once its size is fixed and the steps that
-        retention will pace toward B_min (a lower bound: retention may end early, and a paced
-        step grows for groups on their last chance). Counting every step as `max_groups` would
-        admit, in the last paced step, groups that only full steps could consume in time."""
+    def window_groups(self, max_groups: int, admit_version: int) -> int:
+        """Groups the staleness window holds for a group admitted now, under `admit_version`
+        (the weights the engines serve): it can be trained by the steps of consumer versions
+        `admit_version` .. + `max_staleness`, so admission keeps the live groups plus those the
+        step of `admit_version` consumed within the sum of those steps' sizes. Each is
+        `max_groups`, except a step already opened (its size is fixed, and it stays counted
+        after its update until the engines move on: its consumption is still subtracted) and
+        the steps retention will pace toward B_min (a lower bound: retention may end early, and
+        a paced step grows for groups on their last chance). Counting every step as `max_groups`
+        would admit, around the last paced step, groups that only full steps could train in time."""
         left = self._retention_fetches_left  # paced steps still to open
-        sizes = [] if self._open_step_groups is None else [self._open_step_groups]
+        opened = self._opened is not None and self._opened[0] == admit_version
+        sizes = [self._opened[1]] if opened else []
         while len(sizes) < self.config.max_staleness + 1:
             sizes.append(self._paced_groups(max_groups) if left > 0 else max_groups)
             left -= 1
@@ -632,7 +635,6 @@ class GlobalBuffer:
     def end_step(self, now: float) -> StepReadiness:
         """The actor update finished: close the step measurement and update the estimate."""
         step = self.meter.end_step(now, self._consumed_this_step)
-        self._open_step_groups = None
         self.estimator.observe(step)
         return step
 

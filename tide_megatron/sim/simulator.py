@@ -303,7 +303,7 @@ class Simulator:
     def slot_cap(self) -> int:
         """Trajectories the staleness window holds: the open step and the `bound` after it,
         shorter while the buffer paces steps after a rollout scale-down (`window_groups`)."""
-        return self.buffer.window_groups(self.B // self.G) * self.G
+        return self.buffer.window_groups(self.B // self.G, self.cluster.version) * self.G
 
     def open_stream(self) -> tuple[List[CompletedGroup], int]:
         """A streaming step opens on its first ready data: the groups it takes now, and the

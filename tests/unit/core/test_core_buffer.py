@@ -139,21 +139,24 @@ def test_a_streaming_step_after_a_rollout_scale_down_goes_toward_b_min_and_keeps
 
 
 def test_the_staleness_window_counts_the_steps_retention_shortens():
-    # bound 1: a group admitted now is trained by the open (or next) step or the one after it
+    # bound 1: a group admitted under version v is trained by the step of v or the one after it
     b = GlobalBuffer(BufferConfig(group_size=2, b_min=4, b_ideal=8, max_staleness=1, retention_steps=2),
                      SignalsConfig(micro_batch_tokens=30))
-    assert b.window_groups(max_groups=4) == 4 + 4
+    assert b.window_groups(max_groups=4, admit_version=0) == 4 + 4
     b.notify_rollout_scaled(-1)
-    assert b.window_groups(max_groups=4) == 2 + 2  # both next steps are paced toward B_min
+    assert b.window_groups(4, admit_version=0) == 2 + 2  # both next steps are paced toward B_min
     b.begin_step(1.0)
     b.open_stream(0, 1.0, max_groups=4)  # the first paced step opens (nothing ready: 2 groups)
-    assert b.window_groups(max_groups=4) == 2 + 2
+    assert b.window_groups(4, admit_version=0) == 2 + 2
     b.end_step(2.0)
     b.begin_step(3.0)
     b.open_stream(1, 3.0, max_groups=4)  # the last paced step: the one after it is full again
-    assert b.window_groups(max_groups=4) == 2 + 4  # not 4 + 4: the open step is still short
+    assert b.window_groups(4, admit_version=1) == 2 + 4  # not 4 + 4: the open step is still short
     b.end_step(4.0)
-    assert b.window_groups(max_groups=4) == 4 + 4 and not b.retaining
+    # updated, the engines still on version 1: the step of version 1 is over, its consumption
+    # (2 groups) still subtracted by the caller, so it stays counted at its size
+    assert b.window_groups(4, admit_version=1) == 2 + 4
+    assert b.window_groups(4, admit_version=2) == 4 + 4 and not b.retaining  # the engines moved on
 
 
 def test_retention_never_leaves_a_group_on_its_last_chance_behind():
