@@ -1,7 +1,8 @@
 """End-to-end goodput of every scheduling mode on the real stack (real SGLang, real Megatron-core).
 
 The same recipe, model, task stream, seeds, rank count and number of consumed groups for every
-mode, with a long-tailed env latency on (rare slow steps, slow tasks, injected retry turns):
+mode, with a long-tailed env latency on (rare slow steps, slow tasks, injected retry turns;
+`--env-latency off` leaves the env instant, so compute alone bounds the run):
 
 - sync (VeRL-like), async_static (AReaL-like) and stream (StreamRL-like) at every split of the
   ranks the real system allows, and tide (CTB + RA2P);
@@ -19,6 +20,7 @@ figures).
     python benchmarks/e2e_goodput.py                 # 2 ranks, 10 steps, 3 repetitions
     python benchmarks/e2e_goodput.py --ranks 3 --steps 6 --reps 2
     python benchmarks/e2e_goodput.py --ranks 4 --modes tide --ers   # ERS on and off at every split
+    python benchmarks/e2e_goodput.py --ranks 4 --modes tide --ers --env-latency off   # compute-bound
     python benchmarks/e2e_goodput.py --recipe tiny_vl_cpu   # the multimodal workload (Qwen3-VL, gui_desktop)
 """
 
@@ -78,7 +80,7 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
                  f"cluster.ref_ranks={cfg['ref']}", f"run.steps={args.steps}", "run.checkpoint_interval=0",
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
                  f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={seed}",
-                 f"envs.server.envs.0.latency.seed={seed}", *LATENCY,
+                 *([f"envs.server.envs.0.latency.seed={seed}", *LATENCY] if args.env_latency == "longtail" else []),
                  *(["ers.enabled=true"] if cfg["ers"] else []), *args.overrides]
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
@@ -177,6 +179,8 @@ def main() -> int:
     parser.add_argument("--modes", default="sync,async_static,stream,tide")
     parser.add_argument("--ers", action="store_true", help="also run tide with ers.enabled=true")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    parser.add_argument("--env-latency", choices=("longtail", "off"), default="longtail",
+                        help="off: the env answers at once, so rollout and training compute bound the run")
     parser.add_argument("--recipe", default="tiny_cpu",
                         help="tiny_cpu (door game), or tiny_vl_cpu (the multimodal workload: Qwen3-VL, gui_desktop)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/e2e_goodput_cpu.json "
@@ -276,7 +280,8 @@ def main() -> int:
     record = {
         **bench_record.header("e2e_goodput", device="cpu"),
         "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
-                   "seed": args.seed, "latency_overrides": LATENCY, "extra_overrides": args.overrides,
+                   "seed": args.seed, "env_latency": args.env_latency,
+                   "latency_overrides": LATENCY if args.env_latency == "longtail" else [], "extra_overrides": args.overrides,
                    "recipe": args.recipe},
         "summary": summary,
         "ratios": ratios,
