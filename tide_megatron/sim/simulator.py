@@ -15,9 +15,9 @@ scheduling, as in the paper's comparison (the trainer processes live in `sim/tra
 - `tide`: streaming plus, cumulatively, RA2P (mode choice, just-in-time micro-batches,
   aggregation rounds sized by the cost model, decoupled pipeline), ERS (the closed-loop split,
   preemptive loans, and with `ers_retention` adaptive data retention: steps paced toward B_min
-  after a rollout scale-down, sized when they open as on the real stack) and CTB (task-level rollout scheduling), through the core
-  objects: `GlobalBuffer`, `CTBScheduler`, `trainer_layout`/`should_feed`/`plan_microbatches`,
-  `ERSController`. Nothing here re-decides what those objects decide.
+  after a rollout scale-down, sized when they open as on the real stack) and CTB (task-level
+  rollout scheduling), through the core objects: `GlobalBuffer`, `CTBScheduler`,
+  `trainer_layout`/`should_feed`/`plan_microbatches`, `ERSController`. Nothing here re-decides what those objects decide.
 
 Staleness (`SchedulerConfig.staleness_rule`, shared by every mode): by default a group admitted
 at version v must be consumed by the step that trains version v + bound; its trajectories run
@@ -218,11 +218,11 @@ class Simulator:
     def feed(self) -> None:
         """Offer the rollout the tasks the staleness window has room for: live groups (submitted,
         not yet consumed, cancelled or dropped) plus what the current step took stay within
-        (bound + 1) x B trajectories (`slot_cap`: B shrinks while the buffer paces steps). The (bound + 1) steps ahead consume (bound + 1) x B, the
-        current step's consumption included, and every admitted group must fall within them:
-        counting only live groups admits work no step can consume in time, and every group
-        that then misses frees a slot for another that will miss (observed: half of all tokens
-        wasted); counting groups that were ever started (AReaL's rule) shrinks the pipeline for
+        (bound + 1) x B trajectories (`slot_cap`, shorter while the buffer paces steps). The
+        (bound + 1) steps ahead consume (bound + 1) x B, the current step's consumption
+        included, and every admitted group must fall within them: counting only live groups
+        admits work no step can consume in time, and every group that then misses frees a slot
+        for another that will miss (observed: half of all tokens wasted); counting groups that were ever started (AReaL's rule) shrinks the pipeline for
         good with every drop. The same for every mode; CTB decides, within what is offered,
         which groups start (its deadline admission) and where."""
         n = (self.slot_cap - self.taken_this_step) // self.G - self.live_groups
