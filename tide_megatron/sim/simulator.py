@@ -222,9 +222,10 @@ class Simulator:
         (bound + 1) steps ahead consume (bound + 1) x B, the current step's consumption
         included, and every admitted group must fall within them: counting only live groups
         admits work no step can consume in time, and every group that then misses frees a slot
-        for another that will miss (observed: half of all tokens wasted); counting groups that were ever started (AReaL's rule) shrinks the pipeline for
-        good with every drop. The same for every mode; CTB decides, within what is offered,
-        which groups start (its deadline admission) and where."""
+        for another that will miss (observed: half of all tokens wasted); counting groups that
+        were ever started (AReaL's rule) shrinks the pipeline for good with every drop. The same
+        for every mode; CTB decides, within what is offered, which groups start (its deadline
+        admission) and where."""
         n = (self.slot_cap - self.taken_this_step) // self.G - self.live_groups
         if n > 0:
             self.submit(self.new_groups(n))
