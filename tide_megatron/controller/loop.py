@@ -133,6 +133,11 @@ class Controller:
             n = len(self.topo.rollout_ranks)
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: len(self.rollout.engines) >= n),
                               self.cfg.scheduler.ready_timeout_s, f"{n} rollout rank(s) to start their engines")
+            # ERS's first window opens with rollout, which starts now, not after the cold-start
+            # loan's weight load: groups and decode of that time belong to it (engine start-up
+            # does not). Opened later, it missed the first groups' decode (read as none).
+            self._ers_since = time.perf_counter()
+            self.rollout.call(self.rollout.ers_window)
             standby = standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks)
             if standby:  # the first step's trainer ranks are not still starting an engine
                 self.trainer.take("engine_standby", len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
@@ -141,8 +146,6 @@ class Controller:
                 # ranks enter rollout service with these weights
                 self._push_weights(wait=self.version > 0)
             self.log.start_run()
-            self._ers_since = time.perf_counter()  # ERS's first window: the run's clock, not engine start-up
-            self.rollout.call(self.rollout.ers_window)
             self._run_started = time.monotonic()
             self._start_eval()
             while not self._last_step_done():

@@ -165,10 +165,13 @@ def test_ers_lends_trainer_ranks_to_rollout_at_cold_start(tmp_path):
         assert r["groups"] == 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0
     assert rows[0]["trainer/dp_size"] == 1 and rows[0]["ers/moves"] >= 1  # step 1 ran on the loan
     assert rows[-1]["rollout/moves_in"] >= 1 and rows[-1]["rollout/quarantines"] == 0  # rank 1 loaded v0, served
-    # ERS read the decode the engines measured (SGLang's scheduler -> turn report -> rank 0). A
-    # window can hold no in-service decode (CI once saw step 1's read 0 with the loan), so: some.
-    assert any(r["ers/mean_decode_batch"] > 0 for r in rows[:-1])
-    assert all(r["ers/decode_slowdown"] >= 1.0 for r in rows[:-1])
+    # ERS read the decode the engines measured (SGLang's scheduler -> turn report -> rank 0) in
+    # every window, the first included: it opens when rollout starts, before the loan's weight
+    # load (opened after it, it missed the first groups' decode). A measured window's mean batch
+    # is at least one sequence; its slowdown is a ratio of times measured under other loads of
+    # this shared machine (seen below 1), so only a reading is required of it.
+    for r in rows[:-1]:
+        assert r["ers/mean_decode_batch"] >= 1.0 and r["ers/decode_slowdown"] > 0
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     assert timeline["ranks"]["1"][0]["role"] == "rollout"
 
