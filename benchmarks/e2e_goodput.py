@@ -80,7 +80,7 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
                  f"cluster.ref_ranks={cfg['ref']}", f"run.steps={args.steps}", "run.checkpoint_interval=0",
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
                  f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={seed}",
-                 *([f"envs.server.envs.0.latency.seed={seed}", *LATENCY] if args.env_latency == "longtail" else []),
+                 f"envs.server.envs.0.latency.seed={seed}", *LATENCY,
                  *(["ers.enabled=true"] if cfg["ers"] else []), *args.overrides]
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
@@ -187,6 +187,8 @@ def main() -> int:
                                                     "(e2e_goodput_vl_cpu.json with --recipe tiny_vl_cpu)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
+    if args.env_latency == "off":  # after LATENCY, so it wins (run_one is shared with other benchmarks)
+        args.overrides.append("envs.server.envs.0.latency.enabled=false")
     if args.out is None:
         name = "e2e_goodput_cpu.json" if args.recipe == "tiny_cpu" else f"e2e_goodput_{args.recipe.removeprefix('tiny_')}.json"
         args.out = str(REPO / "benchmarks" / "results" / name)
@@ -280,8 +282,8 @@ def main() -> int:
     record = {
         **bench_record.header("e2e_goodput", device="cpu"),
         "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
-                   "seed": args.seed, "env_latency": args.env_latency,
-                   "latency_overrides": LATENCY if args.env_latency == "longtail" else [], "extra_overrides": args.overrides,
+                   "seed": args.seed, "env_latency": args.env_latency, "latency_overrides": LATENCY,
+                   "extra_overrides": args.overrides,
                    "recipe": args.recipe},
         "summary": summary,
         "ratios": ratios,
