@@ -6,7 +6,8 @@
 
 One step, whatever the mode:
   1. rollout: sync starts the step's groups now; the other modes keep rollout running;
-  2. data: wait for the whole global batch, or (streaming) for the first ready group;
+  2. data: wait for the whole global batch, or (streaming) for the first ready group; ERS's
+     cold-start loan, if any, ends here (its ranks come back to the trainer);
   3. train: the executor runs; in streaming modes later groups join as they complete;
   4. version += 1 (the controller is the one owner of the weight version); the running
      evaluation is gathered; with ERS on, the ranks move to the next step's roles
@@ -136,12 +137,11 @@ class Controller:
             # ERS's first window opens with rollout, which starts now, not after the cold-start
             # loan's weight load: groups and decode of that time belong to it (engine start-up
             # does not). Opened later, it missed the first groups' decode (read as none).
-            self._ers_since = time.perf_counter()
-            self.rollout.call(self.rollout.ers_window)
+            self._open_ers_window()
             standby = standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks)
             if standby:  # the first step's trainer ranks are not still starting an engine
                 self.trainer.take("engine_standby", len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
-            loan = self.roles.cold_start()  # preemptive maximal rollout, until the first boundary
+            loan = self.roles.cold_start()  # preemptive maximal rollout, until the first data is ready
             if self.version > 0 or loan:  # resumed: the engines still hold the initial weights; lent
                 # ranks enter rollout service with these weights
                 self._push_weights(wait=self.version > 0)
@@ -190,6 +190,7 @@ class Controller:
                                     when=self.rollout.step_can_open),
                 self.stall_timeout_s * 4, "the first ready group of the step")
             twt = time.perf_counter() - t0
+            ers_twt, loan_end = self._end_cold_start(twt)
             outcome = self.trainer.train_stream(ready, groups, ras, tprm, self._stream_into,
                                                 arrival_timeout_s=self.stall_timeout_s * 4)
         else:
@@ -199,8 +200,10 @@ class Controller:
                                             self.stall_timeout_s * 4, "the whole global batch")
             batch, ras, hol = fetched
             twt = time.perf_counter() - t0
+            ers_twt, loan_end = self._end_cold_start(twt)
             outcome = self.trainer.train_batch(list(batch.groups), ras, tprm)
-        train_s = time.perf_counter() - t0 - twt
+        loan_s = loan_end.get("ers/cold_start_end_s", 0.0)  # the role change, not training
+        train_s = time.perf_counter() - t0 - twt - loan_s
         readiness = self.rollout.call(self.rollout.close_step)
         self.version += 1
         self.step += 1
@@ -209,7 +212,7 @@ class Controller:
         eval_wait_s = self._finish_eval()
         # ERS plans after the update and before the weight sync (roles change on its boundary);
         # after the last step no step follows to use new roles.
-        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, twt, train_s),
+        ers = self.roles.after_update(self.step, self._ers_measurements(outcome, ers_twt, train_s),
                                       *self.trainer.selector.cost_inputs(),
                                       expected_eval_s=self._eval_s if self._eval_due() else 0.0) \
             if self.roles.enabled and not self._last_step_done() else {}
@@ -222,7 +225,22 @@ class Controller:
         checkpoint_s = self._maybe_checkpoint()
         self.log.step(self.step, self.version, outcome, ras=ras, hol=hol, readiness=readiness,
                       twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
-                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra=ers)
+                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra={**loan_end, **ers})
+
+    def _end_cold_start(self, twt: float) -> tuple[float, dict[str, float]]:
+        """The step's data is ready: a cold-start loan ends now (`TrainerRoles.end_cold_start`),
+        and ERS's window opens anew on the split that trains, as in the simulator. Returns the
+        trainer's wait that falls in ERS's window (none of it, then), and the loan's metrics."""
+        ended = self.roles.end_cold_start(self.step + 1, self.cfg.scheduler.weight_sync_timeout_s + 60.0)
+        if not ended:
+            return twt, {}
+        self.log.roles_moved()
+        self._open_ers_window()
+        return 0.0, ended
+
+    def _open_ers_window(self) -> None:
+        self._ers_since = time.perf_counter()
+        self.rollout.call(self.rollout.ers_window)
 
     def _ers_measurements(self, outcome, twt: float, train_s: float) -> ERSMeasurements:
         """The window since the previous plan, as ERS reads it. The decode iteration times come

@@ -124,6 +124,11 @@ class Quarantine:
         q = self.out.get(rank)
         return q is not None and q.kind == "trainer" and q.drained
 
+    def returning(self, rank: int) -> bool:
+        """Moved to rollout by ERS, and not yet in service (its weights not loaded)."""
+        q = self.out.get(rank)
+        return q is not None and q.kind == "returning"
+
     @property
     def serving(self) -> list[int]:
         """The rollout ranks in service now."""

@@ -379,19 +379,21 @@ class RolloutService(threading.Thread):
                            f"scheduler.min_rollout_ranks={self.min_rollout_ranks}")
 
     # ------------------------------------------------------------------ ERS moves
-    def move_to_trainer(self, rank: int, reason: str) -> int:
+    def move_to_trainer(self, rank: int, reason: str, retain: bool = True) -> int:
         """ERS moves rollout rank `rank` to the trainer: it takes no new task, and its tasks go
         on on the other ranks: with CTB it hands each over (`TaskCarried`: its episode and env
         session go on where CTB resumes it, re-prefilled under the new weights; a task that had
         not begun starts afresh), otherwise they start afresh (no retry is charged; their tokens
         are wasted) and it drops them. `in_trainer(rank)` once it answered for every task.
-        Returns the tasks moved."""
+        `retain`: the move starts adaptive data retention (a rollout scale-down). Returns the
+        tasks moved."""
         now = time.monotonic()
         if rank not in self.quarantine.serving:
             raise ValueError(f"rank {rank} is not a rollout rank in service")
         hand_over = self.hand_over_tasks
         task_ids, written_off = self.quarantine.take_out(rank, reason, now, kind="trainer", hand_over=hand_over)
-        self.buffer.notify_rollout_scaled(-1)  # adaptive data retention
+        if retain:
+            self.buffer.notify_rollout_scaled(-1)  # adaptive data retention
         if hand_over:
             self._handing_over.update((tid, rank) for tid in task_ids)
             self.counters["tasks_moved"] += len(task_ids)
@@ -414,6 +416,10 @@ class RolloutService(threading.Thread):
 
     def in_trainer(self, rank: int) -> bool:
         return self.quarantine.in_trainer(rank)
+
+    def returning(self, rank: int) -> bool:
+        """ERS moved trainer rank `rank` to rollout, and it has not loaded the weights yet."""
+        return self.quarantine.returning(rank)
 
     def return_to_rollout(self, rank: int) -> None:
         """ERS moves trainer rank `rank` to rollout: it receives the next weights (its engine

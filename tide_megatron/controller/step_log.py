@@ -45,6 +45,12 @@ class StepLog:
         self.metrics.mark_run_start()
         self.timeline.start_run(self._trainer_roles(None))
 
+    def roles_moved(self) -> None:
+        """Ranks changed role within a step (a cold-start loan ended): the timeline shows it
+        now, not from the step's start, where it books the roles of a boundary's move."""
+        for rank, role in sorted(self._trainer_roles(None).items()):
+            self.timeline.set_role(rank, role)
+
     def end_run(self) -> None:
         snapshot = self.rollout.call(self.rollout.ledger_snapshot)
         fates = self.rollout.call(lambda: Counter(

@@ -32,7 +32,11 @@ trainer is always whole data-parallel replicas; ranks past the last whole block 
 
 Preemptive maximal rollout at cold start (`cold_start`, `ers.preemptive_cold_start`): before
 the first step every trainer rank but rank 0's block rolls out (its standby engine makes that a
-weight load), and the first boundary returns to the reactive plan.
+weight load). The loan ends when the first step's data is ready (`end_cold_start`), as in the
+simulator: from then on the trainer has work for every rank, and rollout's admission window
+soon fills (lent ranks kept to the first boundary sat idle in rollout while the trainer ran
+short of them). The ranks come back as at a boundary, their tasks handed over, under the same
+weights (version 0): no sync follows.
 
 The evaluation loan (`ers.preemptive_eval`): the loop evaluates step i's model during step
 i+1, beside training, so that step is bounded below by the evaluation. At the boundary where
@@ -106,6 +110,7 @@ class TrainerRoles:
         self.plan = self._plan_of(worker.assignment)
         self.changes = 0
         self.moves = 0
+        self._cold_start_loan = False  # lent at cold start, and not yet back
 
     @property
     def ranks(self) -> list[int]:
@@ -173,7 +178,25 @@ class TrainerRoles:
             return {}
         loan = self.ers.preemptive_plan(self.plan, keep_trainer_ranks=self.ers.config.min_trainer_ranks,
                                         reason="cold start")
-        return self._carry_out(loan, step=0, reactive=self.plan)
+        out = self._carry_out(loan, step=0, reactive=self.plan)
+        self._cold_start_loan = out.get("ers/lent_ranks", 0) > 0 and self.ranks != self.plan.trainer_ranks
+        return out
+
+    def end_cold_start(self, step: int, timeout_s: float) -> dict[str, float]:
+        """The first step's data is ready: the cold-start loan ends (module docstring). A lent
+        rank still loading the weights of version 0 is waited for (at most `timeout_s`; one that
+        fails to load them is quarantined, which ends the wait); while one is out of service the
+        loan lasts to the first boundary. Returns metrics (empty when no loan was in force)."""
+        if not self._cold_start_loan:
+            return {}
+        self._cold_start_loan = False
+        lent = [r for r in self.plan.trainer_ranks if r not in self.ranks]
+        self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: not any(
+            self.rollout.returning(r) for r in lent)), timeout_s, f"lent rank(s) {lent} to load the first weights")
+        # The loan's end is not a rollout scale-down to retain data for: the step that opened
+        # was sized under it, and the next is the split ERS planned from (as in the simulator).
+        out = self._carry_out(self.plan, step, retain=False)
+        return {"ers/cold_start_end_s": out["ers/role_change_s"]} if "ers/role_change_s" in out else {}
 
     def after_update(self, step: int, m: ERSMeasurements, times, ra2p=None,
                      expected_eval_s: float = 0.0) -> dict[str, float]:
@@ -183,6 +206,7 @@ class TrainerRoles:
         and is expected to take this long (0: none starts, or its length is not measured yet)."""
         if not self.enabled:
             return {}
+        self._cold_start_loan = False  # a loan still in force ends at this boundary
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
         # what ERS read and concluded (rates, shares, decode slowdown, target split), for the logs
@@ -195,9 +219,11 @@ class TrainerRoles:
             f"evaluation expected to take {expected_eval_s:.1f} s; {keep} trainer rank(s) finish the step within it"))
         return {**signals, **self._carry_out(loan, step, reactive=plan)}
 
-    def _carry_out(self, plan: RolePlan, step: int, reactive: Optional[RolePlan] = None) -> dict[str, float]:
+    def _carry_out(self, plan: RolePlan, step: int, reactive: Optional[RolePlan] = None,
+                   retain: bool = True) -> dict[str, float]:
         """Move the ranks to `plan` (module docstring, steps 1-3). `reactive`: `plan` is a loan
-        and this is the plan ERS goes on from (the next boundary returns to it)."""
+        and this is the plan ERS goes on from (the next boundary returns to it). `retain`: a
+        rank leaving rollout starts adaptive data retention."""
         new = self._assignment_of(plan)
         old = self.worker.assignment
         goes_on = reactive or plan  # the plan ERS plans from next
@@ -217,7 +243,7 @@ class TrainerRoles:
             return out
         started = time.perf_counter()
         for r in joining:
-            self.rollout.call(lambda r=r: self.rollout.move_to_trainer(r, plan.reason))
+            self.rollout.call(lambda r=r: self.rollout.move_to_trainer(r, plan.reason, retain=retain))
         if joining:
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: all(self.rollout.in_trainer(r)
                                                                                 for r in joining)),

@@ -116,6 +116,7 @@ class FakeRollout:
         self.quarantine = SimpleNamespace(serving=list(serving))
         self.events = events
         self.moved: set[int] = set()
+        self.loading: set[int] = set()  # returned to rollout, weights not loaded yet
 
     def call(self, fn, timeout_s=600.0):
         return fn()
@@ -128,14 +129,17 @@ class FakeRollout:
         assert when is None or when(), f"would wait for {what}"
         return fn()
 
-    def move_to_trainer(self, rank, reason):
-        self.events.append(("move_to_trainer", rank))
+    def move_to_trainer(self, rank, reason, retain=True):
+        self.events.append(("move_to_trainer", rank) if retain else ("move_to_trainer", rank, "no retention"))
         self.quarantine.serving.remove(rank)
         self.moved.add(rank)
         return 0
 
     def in_trainer(self, rank):
         return rank in self.moved
+
+    def returning(self, rank):
+        return rank in self.loading
 
     def return_to_rollout(self, rank):
         self.events.append(("return_to_rollout", rank))
@@ -238,7 +242,7 @@ def test_standby_engines_start_on_the_trainer_ranks_ers_may_move_and_need_the_me
     validate(cfg, 4)
 
 
-def test_cold_start_lends_every_trainer_rank_but_rank_0_to_rollout_until_the_first_boundary():
+def test_cold_start_lends_every_trainer_rank_but_rank_0_to_rollout_and_a_boundary_ends_the_loan():
     layout = GroupLayout(4, 1)
     topo = SimpleNamespace(trainer_ranks=[0, 1, 2], ref_ranks=[], rollout_ranks=[3], world_size=4)
     worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1, 2], []))
@@ -258,6 +262,34 @@ def test_cold_start_lends_every_trainer_rank_but_rank_0_to_rollout_until_the_fir
     back = roles.after_update(1, window(), MicroBatchTimes(0.05, 0.05, 0.1))  # rates unmeasured: hold the split
     assert [e for e in events if e[0] == "move_to_trainer"] == [("move_to_trainer", 1), ("move_to_trainer", 2)]
     assert worker.assignment.actor_ranks == (0, 1, 2) and back["ers/moves"] == 4
+
+
+def test_the_cold_start_loan_ends_when_the_first_step_has_its_data():
+    """The first step's data is ready: the lent ranks come back to the trainer then, before it
+    trains (not at the first boundary), without starting data retention (the loan's end is not
+    a scale-down ERS planned); the loan ends once. A lent rank still loading the first weights
+    is waited for."""
+    layout = GroupLayout(4, 1)
+    topo = SimpleNamespace(trainer_ranks=[0, 1, 2], ref_ranks=[], rollout_ranks=[3], world_size=4)
+    worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1, 2], []))
+    events: list = []
+    rollout = FakeRollout([3], events)
+    roles = TrainerRoles(ERSJobConfig(enabled=True), topo, FakeMailbox(), worker, RA2PConfig(),
+                         take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count, rollout=rollout)
+    roles.cold_start()
+    rollout.loading = {2}
+    with pytest.raises(AssertionError, match=r"would wait for lent rank\(s\) \[1, 2\] to load the first weights"):
+        roles.end_cold_start(1, timeout_s=5.0)
+    roles.cold_start()  # (the failed attempt above ended that loan's bookkeeping)
+    rollout.loading = set()
+    events.clear()
+    ended = roles.end_cold_start(1, timeout_s=5.0)
+    assert events == [("move_to_trainer", 1, "no retention"), ("move_to_trainer", 2, "no retention")]
+    assert worker.assignment.actor_ranks == (0, 1, 2) and ended["ers/cold_start_end_s"] >= 0
+    assert roles.end_cold_start(2, timeout_s=5.0) == {}  # over: nothing moves again
+    events.clear()
+    roles.after_update(1, window(), MicroBatchTimes(0.05, 0.05, 0.1))  # rates unmeasured: the split holds
+    assert events == [] and worker.assignment.actor_ranks == (0, 1, 2)
 
 
 def test_no_cold_start_loan_with_a_drill_or_when_turned_off():
