@@ -175,10 +175,12 @@ class CTBTaskRunner:
             attached = await self.env.attach(carry.claim)
             env_session = attached.session_id
         carried: Optional[CarriedTask] = None
+        ended = False
         try:
             if carry is not None and pending_step(ep, attached.turns, attached.last_turn) == "result":
                 step_result = attached.last  # the step was in flight when the task was handed over
             await self._turns(env_session, ep, handle, listener, tid, step_result)
+            ended = True
         except asyncio.CancelledError:
             if not handle.carry:
                 raise
@@ -191,12 +193,11 @@ class CTBTaskRunner:
                 raise asyncio.CancelledError(f"not handed over: {exc}") from None
             carried = CarriedTask(claim, episode_to_json(ep), started, handle.pauses, handle.moves)
         finally:
-            async with handle.lock:
-                if handle.session_id is not None:
-                    session, handle.session_id = handle.session_id, None
-                    await self.engines[handle.session_rank].close_session(session)
-            if carried is None:
-                await self.env.close_quietly(env_session)
+            closing = self._close_sessions(handle, None if carried is not None else env_session)
+            if ended:
+                await self._after_the_end(closing, tid)
+            else:
+                await closing
         if carried is not None:
             return carried
         # Generation never runs past the context limit; only a last observation can, and it is cut.
@@ -218,6 +219,31 @@ class CTBTaskRunner:
             images=[encode_image_for_record(im.data) for im in ep.images],
             image_grid_thw=[list(im.grid) for im in ep.images], image_tokens=sum(im.num_tokens for im in ep.images),
         )
+
+    async def _close_sessions(self, handle: TaskHandle, env_session: Optional[str]) -> None:
+        """The task's engine session, and its env session unless it was handed over (None)."""
+        async with handle.lock:
+            if handle.session_id is not None:
+                session, handle.session_id = handle.session_id, None
+                await self.engines[handle.session_rank].close_session(session)
+        if env_session is not None:
+            await self.env.close_quietly(env_session)
+
+    @staticmethod
+    async def _after_the_end(closing, task_id: str) -> None:
+        """Close a finished episode's sessions; a cancel that lands meanwhile does not undo it.
+        A cancel (a hand-over, a quarantine, a CTB cancel) can reach a task after its last env
+        step returned and before it returns: the env answered, so its trajectory is whole, and
+        raising the cancel would throw it away (a hand-over then started it afresh elsewhere,
+        its tokens wasted). Its sessions still close, shielded from the cancel."""
+        closing = asyncio.ensure_future(closing)
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:
+                asyncio.current_task().uncancel()
+                logger.info("task %s: cancelled after its episode ended; its trajectory stands", task_id)
+        closing.result()
 
     def _images_of_carry(self, data: list[bytes], task_id: str) -> list:
         if self.images is None:

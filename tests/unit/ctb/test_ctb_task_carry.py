@@ -146,3 +146,50 @@ def test_a_task_whose_env_server_cannot_detach_is_cancelled_and_its_session_clos
 
     asyncio.run(asyncio.wait_for(go(), 30))
     assert env.resets == 1 and not env._left  # its env session was closed, not left behind
+
+
+class _SlowCloseEnv(HandoffEnv):
+    """Closing a session takes a while, so a cancel can land after the last step."""
+
+    def __init__(self, steps: int):
+        super().__init__(steps=steps)
+        self.closing: set[str] = set()
+        self.closed: set[str] = set()
+
+    async def close_quietly(self, session_id: str) -> None:
+        self.closing.add(session_id)
+        await asyncio.sleep(0.05)
+        await super().close_quietly(session_id)
+        self.closed.add(session_id)
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["hand-over", "cancel"])
+def test_a_cancel_after_the_last_env_step_keeps_the_whole_trajectory(carry):
+    """The env answered the episode's last step; the task is cancelled (handed over, or
+    cancelled) while it closes its sessions: its trajectory stands, and the sessions still
+    close. Raised, the cancel threw a whole trajectory away, and a hand-over started it afresh
+    elsewhere (seen in e2e runs whose cold-start loan ended: 24-32 tokens a task, wasted)."""
+    env = _SlowCloseEnv(steps=STEPS)
+
+    async def scenario():
+        handle = TaskHandle("g0/0")
+        handle.place(1)
+        job = asyncio.ensure_future(_runner(env, 1).run(ASSIGNMENT, handle, _Listener()))
+        while not env.closing:
+            assert not job.done()
+            await asyncio.sleep(0.001)
+        handle.carry = carry
+        job.cancel()
+        await asyncio.sleep(0)
+        job.cancel()  # a second cancel while closing changes nothing either
+        return await job
+
+    trajectory = asyncio.run(scenario())
+    _check_whole_on_one_rank(trajectory, env)
+    assert env.closed == env.closing  # the env session closed all the same
+
+
+def _check_whole_on_one_rank(trajectory, env: HandoffEnv) -> None:
+    assert env.resets == 1 and list(env.turns.values()) == [STEPS]
+    assert trajectory.turns == STEPS and trajectory.generated_tokens == STEPS * NEW
+    assert trajectory.reward == STEPS and {s.version for s in trajectory.segments} == {1}
