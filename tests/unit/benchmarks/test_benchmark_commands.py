@@ -1,0 +1,108 @@
+"""The end-to-end benchmark scripts, dry: every job they would launch composes and validates as
+`launch/train.py` would compose it, and each script writes its record when its runs fail.
+
+A benchmark runs for tens of minutes, so a stale override or an argument a shared helper reads
+but a script does not define otherwise shows only at its first run (`run_one` is shared by
+`e2e_goodput.py`, `sleep_on_idle.py` and `task_handover.py`). Here `subprocess.run` is replaced
+by a check that composes the job from the command line and fails the run ("dry run")."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "launch"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import hydra_schema  # noqa: E402
+
+from tide_megatron.config import JobConfig, validate  # noqa: E402
+
+
+@pytest.fixture()
+def launched(monkeypatch):
+    """The jobs a benchmark launches, as (nproc, JobConfig); each run fails without starting."""
+    jobs: list[tuple[int, JobConfig]] = []
+    hydra_schema.register()
+    real_run = subprocess.run
+
+    def dry_run(cmd, **kwargs):
+        if len(cmd) < 2 or Path(cmd[1]) != REPO / "launch" / "torchrun.py":  # e.g. `platform`'s `uname -p`
+            return real_run(cmd, **kwargs)
+        assert cmd[2] == "--nproc-per-node"
+        assert Path(cmd[4]) == REPO / "launch" / "train.py"
+        nproc, overrides = int(cmd[3]), cmd[5:]
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=hydra_schema.CONFIG_DIR, version_base="1.3"):
+            job = hydra_schema.to_job_config(compose(config_name="config", overrides=overrides))
+        validate(job, nproc)
+        jobs.append((nproc, job))
+        return subprocess.CompletedProcess(cmd, 1, "", "dry run")
+
+    monkeypatch.setattr(subprocess, "run", dry_run)
+    yield jobs
+    GlobalHydra.instance().clear()
+
+
+def run_script(name: str, monkeypatch, *argv: str) -> int:
+    module = importlib.import_module(name)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / f"{name}.py"), *argv])
+    return module.main()
+
+
+def record(path: Path, runs: int) -> dict:
+    data = json.loads(path.read_text())
+    assert data["command"].startswith("python benchmarks/") and data["date"] and data["machine"]["cpu_count"]
+    assert len(data["runs"]) == runs and all(r["failed"] and "dry run" in r["error"] for r in data["runs"])
+    return data
+
+
+def test_e2e_goodput_runs_tide_with_ers_on_and_off_at_every_split(launched, monkeypatch, tmp_path):
+    out = tmp_path / "e2e.json"
+    assert run_script("e2e_goodput", monkeypatch, "--ranks", "4", "--modes", "tide", "--ers", "--steps", "2",
+                      "--reps", "2", "--env-latency", "off", "--out", str(out)) == 1  # no run succeeded
+    # 5 splits of 4 ranks (1-3 rollout ranks, with or without a reference rank), ERS off and on,
+    # twice: the second repetition in reverse order, with the next seed
+    assert len(launched) == 20 and all(n == 4 for n, _ in launched)
+    first, second = [job for _, job in launched[:10]], [job for _, job in launched[10:]]
+    splits = [(j.cluster.rollout_ranks, j.cluster.ref_ranks, j.ers.enabled) for j in first]
+    assert len(set(splits)) == 10 and sum(e for *_, e in splits) == 5
+    assert splits[::-1] == [(j.cluster.rollout_ranks, j.cluster.ref_ranks, j.ers.enabled) for j in second]
+    assert {j.run.seed for j in first} == {0} and {j.run.seed for j in second} == {1}
+    for job in first + second:
+        assert job.scheduler.mode == "tide" and job.run.steps == 2 and job.scheduler.groups_per_step == 4
+        assert job.envs.server.envs[0].latency.enabled is False  # --env-latency off wins over LATENCY
+    data = record(out, 20)
+    assert data["config"]["env_latency"] == "off" and data["ratios"] == {}
+
+
+def test_e2e_goodput_keeps_the_long_tailed_env_latency_by_default(launched, monkeypatch, tmp_path):
+    assert run_script("e2e_goodput", monkeypatch, "--ranks", "2", "--modes", "sync", "--reps", "1",
+                      "--out", str(tmp_path / "e2e.json")) == 1
+    (nproc, job), = launched
+    latency = job.envs.server.envs[0].latency
+    assert nproc == 2 and job.scheduler.mode == "sync" and latency.enabled and latency.slow_step_factor == 20
+
+
+@pytest.mark.parametrize("name,override", [("sleep_on_idle", "rollout.engine.sleep_on_idle"),
+                                           ("task_handover", "ers.hand_over_tasks")])
+def test_the_paired_benchmarks_alternate_their_two_variants(name, override, launched, monkeypatch, tmp_path):
+    out = tmp_path / f"{name}.json"
+    assert run_script(name, monkeypatch, "--reps", "2", "--out", str(out)) == 1
+    section, key = override.rsplit(".", 1)
+    values = []
+    for _, job in launched:
+        node = job
+        for part in section.split("."):
+            node = getattr(node, part)
+        values.append(getattr(node, key))
+        assert job.scheduler.mode == "tide" and job.envs.server.envs[0].latency.enabled
+    assert values == [True, False, False, True]  # alternating order
+    record(out, 4)
