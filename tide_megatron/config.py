@@ -267,8 +267,8 @@ class ERSJobConfig:
     elsewhere and their tokens so far are wasted."""
     preemptive_cold_start: bool = True
     """With `move_ranks`, before the first step every trainer rank but rank 0's TP block rolls out
-    (nothing is ready to train yet: the paper's preemptive maximal rollout); the first step
-    boundary returns to ERS's plan. Not with a drill."""
+    (nothing is ready to train yet: the paper's preemptive maximal rollout); they come back to
+    the trainer when the first step's data is ready, before it trains. Not with a drill."""
     preemptive_eval: bool = True
     """With `move_ranks`, a step during which the previous model is evaluated lends to rollout
     every trainer rank it does not need to finish its batch within the expected evaluation time

@@ -52,6 +52,7 @@ policy (and no loan, at cold start or for an evaluation, runs with it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -171,8 +172,9 @@ class TrainerRoles:
     # -- the boundary ---------------------------------------------------------------------------
     def cold_start(self) -> dict[str, float]:
         """Preemptive maximal rollout at cold start (paper, "ERS"): before the first step,
-        nothing is ready to train, so every trainer rank but the minimum rolls out; a loan, the
-        first boundary returns to the reactive plan. Returns metrics (empty when not lent).
+        nothing is ready to train, so every trainer rank but the minimum rolls out; a loan that
+        `end_cold_start` ends (or, failing that, the first boundary). Returns metrics (empty
+        when not lent).
         The caller sends the weights next, so the lent ranks enter rollout service."""
         if not (self.enabled and self.moves_split and self.cfg.preemptive_cold_start and not self.cfg.drill_every):
             return {}
@@ -195,7 +197,8 @@ class TrainerRoles:
             self.rollout.returning(r) for r in lent)), timeout_s, f"lent rank(s) {lent} to load the first weights")
         # The loan's end is not a rollout scale-down to retain data for: the step that opened
         # was sized under it, and the next is the split ERS planned from (as in the simulator).
-        out = self._carry_out(self.plan, step, retain=False)
+        back = dataclasses.replace(self.plan, reason="the cold-start loan ends: the first step's data is ready")
+        out = self._carry_out(back, step, retain=False)
         return {"ers/cold_start_end_s": out["ers/role_change_s"]} if "ers/role_change_s" in out else {}
 
     def after_update(self, step: int, m: ERSMeasurements, times, ra2p=None,
