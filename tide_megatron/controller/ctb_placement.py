@@ -131,6 +131,10 @@ class CTBPlacement:
     def in_transit(self, task_id: str) -> bool:
         return self.dispatcher.in_transit(task_id)
 
+    def describe(self) -> str:
+        """Where the tasks are, for a stalled run's message."""
+        return self.dispatcher.describe()
+
     def carried(self, task_id: str, carry: dict) -> bool:
         return self.dispatcher.task_carried(task_id, carry)
 

@@ -46,6 +46,11 @@ class RequestPlacement:
     def ranks(self) -> list[int]:
         return sorted(self._load)
 
+    def describe(self) -> str:
+        """Where the tasks are, for a stalled run's message."""
+        running = ", ".join(f"rank {r}: {n}" for r, n in sorted(self._load.items()) if n)
+        return f"request placement: {len(self._queue)} queued; running: {running or 'none'}"
+
     def submit(self, assignments: Iterable[TaskAssignment], *, front: bool = False) -> None:
         items = list(assignments)
         if front:

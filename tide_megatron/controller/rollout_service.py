@@ -194,7 +194,7 @@ class RolloutService(threading.Thread):
                     self._quarantine_rank(rank, why, now)
                 problem = self.health.check(now, outstanding=self._outstanding())
                 if problem:
-                    raise RunError(problem)
+                    raise RunError(f"{problem}; {self.placement.describe()}")
                 time.sleep(POLL_INTERVAL_S)
         except BaseException as exc:
             logger.error("rollout service failed: %s", exc)

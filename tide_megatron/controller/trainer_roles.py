@@ -245,9 +245,10 @@ class TrainerRoles:
                            step, joining)
             return out
         started = time.perf_counter()
-        for r in joining:
-            self.rollout.call(lambda r=r: self.rollout.move_to_trainer(r, plan.reason, retain=retain))
+        # All in one call on the rollout thread: no placement pass runs between two ranks'
+        # moves, so CTB cannot resume a task of the first on the second as it leaves.
         if joining:
+            self.rollout.call(lambda: [self.rollout.move_to_trainer(r, plan.reason, retain=retain) for r in joining])
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: all(self.rollout.in_trainer(r)
                                                                                 for r in joining)),
                               ROLES_TIMEOUT_S, f"rank(s) {joining} to drop their rollout tasks")

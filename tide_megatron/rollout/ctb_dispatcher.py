@@ -161,9 +161,19 @@ class CTBDispatcher:
         on any rank (so resume-before-admit gives them room before anything new); the rank hands
         each one over (`task_carried`), and it starts where CTB resumes it once both happened.
         One the rank cannot hand over comes back through `task_not_carried` and starts afresh.
-        Returns the ids of the tasks concerned."""
-        ids = self._take_out(rank)
-        self._transit.update((tid, _Transit()) for tid in ids)
+        Returns the ids of the tasks the rank hands over.
+
+        A task CTB resumed on this rank while its state was still on its way from a rank that
+        left before (two ranks leave at one boundary) never reached it: it stays in transit,
+        the earlier rank answers for it, and CTB resumes it on another rank."""
+        ids = []
+        for tid in self._take_out(rank):
+            transit = self._transit.get(tid)
+            if transit is None:
+                self._transit[tid] = _Transit()
+                ids.append(tid)
+            else:
+                transit.rank = None
         self.stats["handed_over"] += len(ids)
         self._forget_released_groups()
         return ids
@@ -190,6 +200,22 @@ class CTBDispatcher:
 
     def in_transit(self, task_id: str) -> bool:
         return task_id in self._transit
+
+    def describe(self) -> str:
+        """Where the tasks are (CTB's task states, and the hand-overs under way), for a
+        stalled run's message."""
+        if not self.cfg.enabled:
+            return f"request-level dispatch: {len(self._vanilla_queue)} queued, {len(self._vanilla_running)} running"
+        states = {state: self.policy.tasks_in(state) for state in (TaskState.QUEUED, TaskState.PAUSED)}
+        running = ", ".join(
+            f"rank {r}: {len(self.policy.residents(r))} ({self.policy.rank_usage(r)[0]} of "
+            f"{self.policy.rank_usage(r)[1]} tokens; {self.policy.rank_releasing(r)[1]} releasing)"
+            for r in self.policy.ranks)
+        waiting_state = sum(t.carry is None and not t.cancelled for t in self._transit.values())
+        waiting_rank = sum(t.carry is not None and t.rank is None for t in self._transit.values())
+        return (f"CTB: {len(states[TaskState.QUEUED])} queued, {len(states[TaskState.PAUSED])} paused; resident: "
+                f"{running or 'no rank'}; handed over: {waiting_state} awaiting the leaving rank's state, "
+                f"{waiting_rank} awaiting a rank")
 
     def task_carried(self, task_id: str, carry: dict[str, Any]) -> bool:
         """The leaving rank handed the task over with its state. False: it is no longer wanted

@@ -20,14 +20,14 @@ def _group(gid: str, n: int = 2, is_eval: bool = False):
     return [TaskAssignment(task=task, group_id=gid, index=i, is_eval=is_eval) for i in range(n)]
 
 
-def _placement(pool_tokens: int, probe_reserve: int = 64):
+def _placement(pool_tokens: int, probe_reserve: int = 64, rank_ids=(1, 2)):
     cfg = JobConfig()
     cfg.rollout.engine.max_total_tokens = pool_tokens
     cfg.ctb = dataclasses.replace(cfg.ctb, prompt_tokens_estimate=100, kv_budget_fraction=1.0,
                                   policy=dataclasses.replace(cfg.ctb.policy, probe_turn_reserve_tokens=probe_reserve,
                                                                      probe_only_when_tight=False))
     store = dist.HashStore()
-    return CTBPlacement(cfg, Mailbox(store, 0), [1, 2]), {r: Mailbox(store, r) for r in (1, 2)}
+    return CTBPlacement(cfg, Mailbox(store, 0), list(rank_ids)), {r: Mailbox(store, r) for r in rank_ids}
 
 
 def _turn(tid: str, phase: str, ctx: int, report=None, rank: int = 1) -> TurnEvent:
@@ -128,6 +128,35 @@ def test_a_rank_leaving_rollout_hands_its_tasks_over_and_ctb_starts_each_elsewhe
     assert {d.runner_rank[t] for t in leaving} == {dst} and d.stats["carried"] == len(leaving)
     for tid in list(d.runner_rank):
         assert ctb.finished(tid, dst)
+    assert not d.policy.audit()
+
+
+def test_a_task_resumed_on_a_second_leaving_rank_before_its_state_came_is_not_handed_over_twice():
+    """Two ranks leave: CTB resumed the first one's tasks on the second while their states were
+    on their way. The second never held them, so it hands none of them over (the first answers
+    for them); their states start them on a rank that stays. Handed over twice, the first
+    rank's answer read as a stranger's and the task waited for the second's, which never came
+    (seen as a stalled run when the cold-start loan returned two ranks)."""
+    ctb, ranks = _placement(100_000, rank_ids=(1, 2, 3))
+    d = ctb.dispatcher
+    d.quarantine(3)  # no task goes there yet
+    _, src, dst = _admitted(ctb, ranks)
+    leaving = sorted(t for t, r in d.runner_rank.items() if r == src)
+    assert ctb.hand_off_rank(src) == leaving
+    ctb.dispatch(0.2)  # resumed on the other rank, each waiting for its state
+    assert all(d.runner_rank[t] == dst for t in leaving) and not ranks[dst].poll()
+    assert ctb.hand_off_rank(dst) == [] and all(ctb.in_transit(t) for t in leaving)
+    assert "handed over: 4 awaiting the leaving rank's state" in ctb.describe()
+    d.quarantine(3, False)
+    ctb.dispatch(0.3)
+    for i, tid in enumerate(leaving):
+        assert ctb.carried(tid, {"claim": f"c{i}"})
+        (m,) = ranks[3].poll()
+        assert isinstance(m, RunTask) and m.assignment.trajectory_id == tid and m.carry == {"claim": f"c{i}"}
+    assert not ranks[dst].poll() and not any(ctb.in_transit(t) for t in leaving)
+    assert "resident: rank 3: 4 (" in ctb.describe()
+    for tid in leaving:
+        assert ctb.finished(tid, 3)
     assert not d.policy.audit()
 
 

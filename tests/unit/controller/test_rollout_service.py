@@ -232,7 +232,7 @@ def test_a_stuck_env_stops_the_run_within_the_stall_bound_naming_what_waits(stor
     try:
         svc.call(lambda: svc.request_groups(1))
         started = time.monotonic()
-        with pytest.raises(RunError, match=r"no token generated.*env step"):
+        with pytest.raises(RunError, match=r"no token generated.*env step.*request placement: 0 queued; running: rank 1: 2"):
             wait_batch(svc, timeout=20)
         assert time.monotonic() - started < 10  # bounded: the stall bound plus polling, not the batch timeout
     finally:
