@@ -181,7 +181,7 @@ class TrainerRoles:
         loan = self.ers.preemptive_plan(self.plan, keep_trainer_ranks=self.ers.config.min_trainer_ranks,
                                         reason="cold start")
         out = self._carry_out(loan, step=0, reactive=self.plan)
-        self._cold_start_loan = out.get("ers/lent_ranks", 0) > 0 and self.ranks != self.plan.trainer_ranks
+        self._cold_start_loan = self.ranks != self.plan.trainer_ranks  # lent (the move may not have run)
         return out
 
     def end_cold_start(self, step: int, timeout_s: float) -> dict[str, float]:
