@@ -125,6 +125,44 @@ class _Task:
         return self.own, self.carried_in
 
 
+class ServiceClock:
+    """A rank's rollout time: busy (a task running) and idle (in rollout service, no task
+    running), cumulative, as its heartbeats report them (rank 0 takes the RWT of each step from
+    their differences). Time the rank spends out of rollout (training, or parked on standby
+    before it first rolls out) is neither: counted as idle, a rank that came back from the
+    trainer reported its whole time there as the RWT of one step."""
+
+    def __init__(self, now: float):
+        self._started = now
+        self._busy_s = self._away_s = 0.0
+        self._busy_since: Optional[float] = None
+        self._away_since: Optional[float] = None
+
+    def task_started(self, now: float) -> None:
+        if self._busy_since is None:
+            self._busy_since = now
+
+    def no_task(self, now: float) -> None:
+        if self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def left(self, now: float) -> None:
+        """The rank leaves rollout (it holds no task then)."""
+        self.no_task(now)
+        self._away_since = now
+
+    def back(self, now: float) -> None:
+        if self._away_since is not None:
+            self._away_s += now - self._away_since
+            self._away_since = None
+
+    def busy_idle(self, now: float) -> tuple[float, float]:
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        away = self._away_s + (now - self._away_since if self._away_since is not None else 0.0)
+        return busy, now - self._started - away - busy
+
+
 class RolloutWorker:
     def __init__(self, rank: int, engine: RolloutEngine, runner_cfg: TaskRunnerConfig, chat: ChatFormat, env,
                  mailbox: Mailbox, job_group, heartbeat_interval_s: float = 2.0,
@@ -143,9 +181,7 @@ class RolloutWorker:
         self._runner = CTBTaskRunner(runner_cfg, self._engines, chat, env, use_sessions=engine.cfg.use_sessions)
         self._tasks: dict[str, _Task] = {}
         self._stopping = False
-        self._started = time.monotonic()
-        self._busy_s = 0.0  # wall time with at least one task running
-        self._busy_since: Optional[float] = None
+        self._clock = ServiceClock(time.monotonic())
         self._generated = 0  # tokens generated here, every task (the ledger's independent count)
         self._env_steps = 0
         self._cancel_all_epoch: Optional[int] = None
@@ -160,17 +196,20 @@ class RolloutWorker:
         if self._away:
             self.engine.resume_memory()
             self._away = False
+        self._clock.back(time.monotonic())
         self._handoff = None
         while self.engine.loop.run_until_complete(self._main()) == "engine died":
             self._restart_engine()
         handoff, self._handoff = self._handoff, None
         if handoff is not None:
+            self._clock.left(time.monotonic())
             self._away = self.engine.release_memory()
         return handoff
 
     def park(self) -> None:
         """A standby engine on a trainer rank (`ers.standby_engines`): its memory is released
         until the rank first rolls out."""
+        self._clock.left(time.monotonic())
         self._away = self.engine.release_memory()
 
     def shutdown(self) -> None:
@@ -325,8 +364,7 @@ class RolloutWorker:
                                         carry=state)
         task.job = asyncio.get_running_loop().create_task(self._run_task(task))
         task.job.add_done_callback(lambda _, t=task: self._if_never_ran(t))
-        if self._busy_since is None:
-            self._busy_since = time.monotonic()
+        self._clock.task_started(time.monotonic())
 
     async def _run_task(self, task: _Task) -> None:
         tid = task.assignment.trajectory_id
@@ -371,14 +409,11 @@ class RolloutWorker:
 
     def _forget(self, tid: str) -> None:
         del self._tasks[tid]
-        if not self._tasks and self._busy_since is not None:
-            self._busy_s += time.monotonic() - self._busy_since
-            self._busy_since = None
+        if not self._tasks:
+            self._clock.no_task(time.monotonic())
 
     def _busy_idle(self) -> tuple[float, float]:
-        now = time.monotonic()
-        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
-        return busy, now - self._started - busy
+        return self._clock.busy_idle(time.monotonic())
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
