@@ -4,7 +4,8 @@ Time is booked where it went: the trainer's waiting time (TWT) is the wait for t
 before it starts, plus the waits for groups still arriving during a streamed step, plus the
 wait for an evaluation that gates the weight sync (and, decoupled, the actor's waits for the
 reference's log-probs); the rollout ranks' waiting time (RWT) is their idle time since the
-previous step (no task running), averaged over ranks. Goodput is reported per step (consumed
+previous step (in rollout service with no task running; time a rank spends training or parked
+is not counted, `rollout.worker.ServiceClock`), averaged over ranks. Goodput is reported per step (consumed
 generated tokens / step wall time, checkpoint included) and for the run so far (all consumed
 tokens / wall time since the first dispatch).
 
