@@ -137,6 +137,16 @@ class CancelTask(Message):
 
 
 @dataclass
+class ReleaseCarry(Message):
+    """A task handed over by a rank that left rollout will not go on (its group ended while it
+    was in transit): close its env session (`claim`, see `rollout/task_carry.py`) rather than
+    leave it to the env server's idle reaper; an OSWorld session holds a VM. No answer."""
+
+    KIND: ClassVar[str] = "release_carry"
+    claim: str
+
+
+@dataclass
 class LoadWeights(Message):
     """Receive the weights `manifest` describes from rank `sender` (point to point, see
     `weight_sync.py`) and load them. Posted to exactly the ranks the weights are sent to."""

@@ -14,7 +14,8 @@ messages, one FIFO per rank, so a rank sees each task's decisions in order:
 
 A rank that ERS moves to the trainer hands its tasks over instead (`hand_off_rank`): each one's
 state comes back to rank 0 (`TaskCarried`) and starts where CTB resumes it, as a `RunTask`
-carrying it (`RunTask.carry`).
+carrying it (`RunTask.carry`). One whose group ends before it starts again has its env session
+closed by a rollout rank (`ReleaseCarry`).
 
 `CTBPlacement` gives the rollout service the same interface as `RequestPlacement`.
 """
@@ -25,7 +26,8 @@ import dataclasses
 from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import CancelTask, PauseTask, ResumeTask, RunTask, TaskAssignment, TurnEvent
+from tide_megatron.comm.messages import (CancelTask, PauseTask, ReleaseCarry, ResumeTask, RunTask, TaskAssignment,
+                                         TurnEvent)
 from tide_megatron.core.ctb import Admit, GroupCancelled
 from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_carrier import TagFields
@@ -52,6 +54,9 @@ class MailboxCarrier:
 
     def cancel(self, rank: int, task_id: str) -> None:
         self.mailbox.post(rank, CancelTask(task_id, "cancelled by CTB"))
+
+    def release(self, rank: int, carry: dict) -> None:
+        self.mailbox.post(rank, ReleaseCarry(str(carry["claim"])))
 
 
 class CTBPlacement:

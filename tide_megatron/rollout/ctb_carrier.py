@@ -94,3 +94,7 @@ class Carrier(Protocol):
     def resume(self, rank: int, task_id: str, tag: TagFields) -> None: ...
 
     def cancel(self, rank: int, task_id: str) -> None: ...
+
+    def release(self, rank: int, carry: dict) -> None:
+        """A handed-over task will not go on: `rank` closes the env session its `carry` holds.
+        Only carriers that cannot move tasks hand tasks over, so only they are called."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_carrier import Carrier, TagFields
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, resident_cap_for_rows
 from tide_megatron.rollout.task_runner import TaskAssignment
+
+logger = logging.getLogger(__name__)
 
 
 class PluginMissing(RuntimeError):
@@ -91,7 +94,7 @@ class CTBDispatcher:
         """Latest engine report per rank (from the plugin)."""
         self.stats = {"admits": 0, "pauses": 0, "resumes": 0, "resumes_with_affinity": 0, "requeues": 0,
                       "restarts": 0, "failures": 0, "cancels": 0, "groups_cancelled": 0, "handed_over": 0,
-                      "carried": 0}
+                      "carried": 0, "released": 0}
         self._transit: dict[str, _Transit] = {}
         """Tasks handed over by a rank that left rollout, until they start on another rank."""
         self.dropped_carries: list[tuple[str, dict[str, Any]]] = []
@@ -223,6 +226,7 @@ class CTBDispatcher:
         transit = self._transit.get(task_id)
         if transit is None or transit.cancelled:
             self._transit.pop(task_id, None)
+            self._release(carry)
             return False
         transit.carry = carry
         self._start_carried(task_id)
@@ -329,8 +333,20 @@ class CTBDispatcher:
         if transit.carry is not None:
             del self._transit[task_id]
             self.dropped_carries.append((task_id, transit.carry))
+            self._release(transit.carry)
         else:
             transit.cancelled = True
+
+    def _release(self, carry: dict[str, Any]) -> None:
+        """A handed-over task will not go on: the rollout rank with the fewest residents closes
+        its env session. With no rank taking work, the env server's idle reaper closes it."""
+        ranks = [r for r in self.policy.ranks if r not in self._quarantined]
+        if not ranks:
+            logger.info("no rollout rank to close a dropped hand-over's env session; the env server's "
+                        "idle reaper will")
+            return
+        self.stats["released"] += 1
+        self.carrier.release(min(ranks, key=lambda r: len(self.policy.residents(r))), carry)
 
     def _carry(self, d: Decision) -> None:
         if isinstance(d, GroupCancelled):  # its tasks' Cancels follow

@@ -84,6 +84,9 @@ class LocalCarrier:
         release = asyncio.get_running_loop().create_task(handle.release_session(self.engines))
         release.add_done_callback(lambda _: task.cancel())
 
+    def release(self, rank: int, carry: dict) -> None:
+        raise RuntimeError("a local carrier moves tasks, it never hands one over")
+
     def cancel_all(self) -> None:
         """Stop every task now (the rollout failed)."""
         for task in self._tasks.values():

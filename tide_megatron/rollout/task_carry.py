@@ -68,6 +68,14 @@ _PLAIN = (*_REQUIRED, "loss_mask", "logprobs", "reward", "turns", "truncated", "
           "cached_tokens", "generate_s", "info", "send_tokens", "env_steps", "pending_action")
 
 
+async def release_claim(env, claim: str) -> None:
+    """Close the env session behind a hand-over that will not go on (`ReleaseCarry`): take it
+    over with its claim, then close it. Raises `EnvError` when that fails (the claim was used
+    or expired, the server is down); the session is then the idle reaper's."""
+    attached = await env.attach(claim)
+    await env.close_quietly(attached.session_id)
+
+
 def episode_to_json(ep: _Episode) -> dict[str, Any]:
     out = {k: getattr(ep, k) for k in _PLAIN}
     out["segments"] = [[s.start, s.end, s.version] for s in ep.segments]

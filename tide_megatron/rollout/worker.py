@@ -27,7 +27,8 @@ and, once it answered `AllCancelled`, posts it the trainer's "roles" message. Ea
 begun its episode is handed over rather than dropped: it stops at its next await (a turn in
 flight ends first), detaches its env session and answers `TaskCarried` with its episode so far
 (`rollout/task_carry.py`); rank 0 resumes it on another rank (`RunTask.carry`), which attaches
-the session and re-prefills the context under the new weights. `run` then returns that
+the session and re-prefills the context under the new weights (or, if its group ended
+meanwhile, any rollout rank closes the session: `ReleaseCarry`). `run` then returns that
 message and whatever the same read brought after it (the trainer's first commands), for
 `TrainerWorker.serve`; the engine releases its memory where SGLang can
 (`RolloutEngine.release_memory`). Moved back, the same worker `run`s again: the
@@ -62,6 +63,7 @@ from tide_megatron.comm.messages import (
     LoadWeights,
     PauseTask,
     RankReady,
+    ReleaseCarry,
     ResumeTask,
     RunTask,
     Stop,
@@ -78,7 +80,7 @@ from tide_megatron.comm.messages import (
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
 from tide_megatron.rollout.engine import RolloutEngine
-from tide_megatron.rollout.task_carry import CarriedTask
+from tide_megatron.rollout.task_carry import CarriedTask, release_claim
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -189,6 +191,8 @@ class RolloutWorker:
         self._handoff: Optional[list] = None
         """The trainer's "roles" message and what followed it: this rank leaves rollout."""
         self._away = False  # the engine's memory is released while the rank trains
+        self._releases: set[asyncio.Task] = set()
+        """Env sessions of dropped hand-overs being closed (`ReleaseCarry`)."""
 
     def run(self) -> Optional[list]:
         """Roll out until `Stop` (returns None) or until rank 0 moves this rank to the trainer
@@ -250,7 +254,7 @@ class RolloutWorker:
             task.cancel_reason = task.cancel_reason or reason
             if task.job is not None:
                 task.job.cancel()
-        jobs = [t.job for t in self._tasks.values() if t.job is not None]
+        jobs = [t.job for t in self._tasks.values() if t.job is not None] + list(self._releases)
         if jobs:
             _, pending = await asyncio.wait(jobs, timeout=STOP_GRACE_S)
             if pending:
@@ -328,12 +332,22 @@ class RolloutWorker:
                 task.handle.carry = msg.carry
                 self._cancel(task, "carried to another rank" if msg.carry else "quarantined")
             self._cancel_all_epoch = msg.epoch
+        elif isinstance(msg, ReleaseCarry):
+            release = asyncio.get_running_loop().create_task(self._release(msg.claim))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
         elif isinstance(msg, LoadWeights):
             await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest), msg.sender)
         elif isinstance(msg, Stop):
             self._stopping = True
         else:
             raise ValueError(f"rollout rank {self.rank}: unexpected message {msg!r}")
+
+    async def _release(self, claim: str) -> None:
+        try:
+            await release_claim(self._runner.env, claim)
+        except Exception as exc:  # the claim was used or expired, or the server is down
+            logger.info("rollout rank %d: could not close a dropped hand-over's env session: %s", self.rank, exc)
 
     @staticmethod
     def _cancel(task: _Task, reason: str) -> None:

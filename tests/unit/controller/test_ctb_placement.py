@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import PauseTask, ResumeTask, RunTask, TaskAssignment, TurnEvent
+from tide_megatron.comm.messages import PauseTask, ReleaseCarry, ResumeTask, RunTask, TaskAssignment, TurnEvent
 from tide_megatron.config import JobConfig
 from tide_megatron.controller.ctb_placement import CTBPlacement
 from tide_megatron.rollout.ctb_config import check_ctb_resources
@@ -189,5 +189,25 @@ def test_a_handed_over_task_whose_group_ends_is_dropped_and_its_state_reported()
         assert not ctb.carried(tid, {"claim": "late"})
     ctb.forget_group("g0")
     assert not any(ctb.in_transit(t) for t in leaving)
-    assert not [m for r in ranks.values() for m in r.poll() if isinstance(m, RunTask)]
+    sent = [m for r in ranks.values() for m in r.poll()]
+    # no rank takes work (one left, one quarantined): the env server's idle reaper closes the sessions
+    assert not [m for m in sent if isinstance(m, (RunTask, ReleaseCarry))] and d.stats["released"] == 0
     assert not d.policy.audit()
+
+
+def test_a_rollout_rank_closes_the_env_session_of_a_dropped_hand_over():
+    """A handed-over task whose group ends before it starts again leaves a detached env session
+    (an OSWorld VM): the rollout rank with the fewest residents is told to close it, whether
+    the task's state was already at rank 0 or came after the group ended."""
+    ctb, ranks = _placement(100_000)
+    d, src, dst = _admitted(ctb, ranks)
+    leaving = sorted(t for t, r in d.runner_rank.items() if r == src)
+    ctb.hand_off_rank(src)
+    assert ctb.carried(leaving[0], {"claim": "c0"})  # here before CTB resumed it anywhere
+    ctb.cancel_group("g0", "too stale")
+    assert [t for t, _ in ctb.take_dropped_carries()] == [leaving[0]]
+    for i, tid in enumerate(leaving[1:]):  # still coming: dropped when it comes
+        assert not ctb.carried(tid, {"claim": f"late{i}"})
+    released = [m.claim for m in ranks[dst].poll() if isinstance(m, ReleaseCarry)]
+    assert released == ["c0"] + [f"late{i}" for i in range(len(leaving) - 1)]
+    assert d.stats["released"] == len(leaving) and not ranks[src].poll()

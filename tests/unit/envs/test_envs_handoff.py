@@ -1,7 +1,7 @@
 """Handing an env session from one client connection to another (`detach` / `attach`), against
 an in-process server: the episode goes on where it was, a step in flight is neither lost nor
 waited for by `detach`, claims are single use, detached sessions outlive their connection and
-are reaped when nobody takes them."""
+are reaped when nobody takes them, or closed at once when rank 0 drops the hand-over."""
 
 import asyncio
 import time
@@ -10,12 +10,13 @@ import pytest
 from PIL import Image
 
 from tide_megatron.envs import (
-    EnvClient, EnvClientConfig, EnvConfig, EnvRemoteError, EnvServer, EnvServerConfig, EnvServerDown,
+    EnvClient, EnvClientConfig, EnvConfig, EnvError, EnvRemoteError, EnvServer, EnvServerConfig, EnvServerDown,
     EnvServerLimits, EnvSessionLost, LatencyConfig,
 )
 from tide_megatron.envs.images import encode_image
 from tide_megatron.envs.protocol import AttachResult, Env, ResetResult, StepResult, TaskSpec
 from tide_megatron.envs.registry import register_env
+from tide_megatron.rollout.task_carry import release_claim
 
 STEP_S = 0.4  # emulated (or blocking) step time of the slow envs
 
@@ -255,4 +256,18 @@ def test_attach_reads_the_last_images_back(tmp_path, transport):
             step = await b.step(got.session_id, "go")
             again = await a.attach(await b.detach(got.session_id))
             assert again.last.image_data == [screen(1), screen(100)] and again.last == step
+    serve(main, tmp_path)
+
+
+def test_release_claim_closes_a_detached_session_at_once(tmp_path):
+    """A hand-over that will not go on (`ReleaseCarry`): the session is closed now, not left to
+    the idle reaper; a spent claim is an error for the caller to log."""
+    async def main(server):
+        async with client(server) as a, client(server) as b:
+            claim = await a.detach((await a.reset("counter", "c/0", "t")).session_id)
+            await release_claim(b, claim)
+            stats = await b.stats()
+            assert stats["sessions"] == 0 and stats["detached"] == 0
+            with pytest.raises(EnvError):
+                await release_claim(b, claim)
     serve(main, tmp_path)

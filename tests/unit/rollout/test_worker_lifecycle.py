@@ -1,7 +1,8 @@
 """A rollout rank's lifecycle with fakes (no SGLang): told to stop, it ends every task it holds,
 including one paused by CTB that waits for a resume which will never come (a CI run hung there
 after its last step); while it replaces a dead engine it keeps sending heartbeats (a slow
-restart on a loaded machine once looked like a silent rank)."""
+restart on a loaded machine once looked like a silent rank); told to, it closes the env session
+of a hand-over rank 0 dropped, before it returns."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import threading
 import types
 
-from tide_megatron.comm.messages import Heartbeat, RunTask, Stop, TaskAssignment, TaskCancelled
+from tide_megatron.comm.messages import Heartbeat, ReleaseCarry, RunTask, Stop, TaskAssignment, TaskCancelled
 from tide_megatron.rollout import worker as worker_mod
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
@@ -121,3 +122,25 @@ def test_cancel_all_answers_for_tasks_that_never_started():
     assert [type(m).__name__ for m in answers] == ["TaskCancelled", "TaskCancelled", "AllCancelled"]
     assert {m.task_id for m in answers[:2]} == {a.trajectory_id for a in stale} and answers[2].epoch == 3
     assert worker._tasks == {}
+
+
+class FakeEnv:
+    def __init__(self):
+        self.calls = []
+
+    async def attach(self, claim):
+        await asyncio.sleep(0.05)  # still attaching when Stop is read
+        self.calls.append(("attach", claim))
+        return types.SimpleNamespace(session_id=f"s-{claim}")
+
+    async def close_quietly(self, session_id):
+        self.calls.append(("close", session_id))
+
+
+def test_a_dropped_hand_over_s_env_session_is_closed_even_when_stop_follows():
+    mailbox, engine, env = FakeMailbox(), FakeEngine(), FakeEnv()
+    worker = worker_mod.RolloutWorker(1, engine, TaskRunnerConfig(), types.SimpleNamespace(), env=env,
+                                      mailbox=mailbox, job_group=None, heartbeat_interval_s=0.05)
+    mailbox.inbox = [ReleaseCarry("c0"), Stop()]
+    assert worker.run() is None
+    assert env.calls == [("attach", "c0"), ("close", "s-c0")] and not worker._releases
