@@ -77,6 +77,7 @@ from tide_megatron.comm.messages import (
     TurnEvent,
     WeightsLoaded,
 )
+from tide_megatron.envs.errors import EnvError
 from tide_megatron.rollout.chat import ChatFormat
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
 from tide_megatron.rollout.engine import RolloutEngine
@@ -258,7 +259,7 @@ class RolloutWorker:
         if jobs:
             _, pending = await asyncio.wait(jobs, timeout=STOP_GRACE_S)
             if pending:
-                logger.warning("rollout rank %d: %d task(s) still closing %.0f s after the stop; left behind",
+                logger.warning("rollout rank %d: %d task(s) or session release(s) still closing %.0f s after the stop; left behind",
                                self.rank, len(pending), STOP_GRACE_S)
         self._heartbeat()
         if self._stopping:
@@ -346,7 +347,7 @@ class RolloutWorker:
     async def _release(self, claim: str) -> None:
         try:
             await release_claim(self._runner.env, claim)
-        except Exception as exc:  # the claim was used or expired, or the server is down
+        except EnvError as exc:  # the claim was used or expired, or the server is down
             logger.info("rollout rank %d: could not close a dropped hand-over's env session: %s", self.rank, exc)
 
     @staticmethod
