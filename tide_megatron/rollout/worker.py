@@ -259,8 +259,8 @@ class RolloutWorker:
         if jobs:
             _, pending = await asyncio.wait(jobs, timeout=STOP_GRACE_S)
             if pending:
-                logger.warning("rollout rank %d: %d task(s) or session release(s) still closing %.0f s after the stop; left behind",
-                               self.rank, len(pending), STOP_GRACE_S)
+                logger.warning("rollout rank %d: %d task(s) or session release(s) still closing %.0f s after the "
+                               "stop; left behind", self.rank, len(pending), STOP_GRACE_S)
         self._heartbeat()
         if self._stopping:
             self.mailbox.post(CONTROLLER, Stopped())
