@@ -317,15 +317,18 @@ class EnvClient:
         self._sessions.pop(session_id, None)
         return claim
 
-    async def attach(self, claim: str, timeout_s: float | None = None) -> AttachResult:
+    async def attach(self, claim: str, timeout_s: float | None = None, *, images: bool = True) -> AttachResult:
         """Take over the session another client detached. Waits for a step in flight on it;
-        the result carries the session's turn count and latest result (images resolved). The
+        the result carries the session's turn count and latest result (images resolved, unless
+        `images=False`: a caller that only closes the session skips reading them). The
         claim is single use, so the call is never retried; a refusal for this connection's
         session cap (`ServerBusy`) leaves the claim usable."""
         name = "attach"
         result = await self.call("attach", {"claim": claim}, name, timeout_s, retry=False)
         res = self._parse(name, lambda: AttachResult.from_json(result))
         self._sessions[res.session_id] = (res.env, res.task_id, self._epoch)
+        if not images:
+            return res
         name = self._call_name("attach", res.session_id)
         try:
             res.last.image_data = await self._resolve_images(res.session_id, res.last.images, name, timeout_s)

@@ -70,9 +70,10 @@ _PLAIN = (*_REQUIRED, "loss_mask", "logprobs", "reward", "turns", "truncated", "
 
 async def release_claim(env, claim: str) -> None:
     """Close the env session behind a hand-over that will not go on (`ReleaseCarry`): take it
-    over with its claim, then close it. Raises `EnvError` when that fails (the claim was used
-    or expired, the server is down); the session is then the idle reaper's."""
-    attached = await env.attach(claim)
+    over with its claim (its images are not read: nobody looks at them), then close it.
+    Raises `EnvError` when that fails (the claim was used or expired, the server is down); the
+    session is then the idle reaper's."""
+    attached = await env.attach(claim, images=False)
     await env.close_quietly(attached.session_id)
 
 

@@ -217,7 +217,7 @@ class HandoffEnv(FakeEnv):
         self.detached.add(session_id)
         return f"claim-{session_id}"
 
-    async def attach(self, claim: str):
+    async def attach(self, claim: str, images: bool = True):
         sid = claim.removeprefix("claim-")
         self.detached.remove(sid)
         while sid in self.stepping:  # the server's attach waits for a step in flight

@@ -259,12 +259,25 @@ def test_attach_reads_the_last_images_back(tmp_path, transport):
     serve(main, tmp_path)
 
 
-def test_release_claim_closes_a_detached_session_at_once(tmp_path):
+def test_attach_without_images_leaves_them_unread(tmp_path):
+    async def main(server):
+        async with client(server) as a, client(server, image_transport="wire") as b:
+            first = await a.reset("screens", "c/0", "t")
+            got = await b.attach(await a.detach(first.session_id), images=False)
+            assert got.last.images == first.images and got.last.image_data == []
+    serve(main, tmp_path)
+
+
+@pytest.mark.parametrize("env", ["counter", "screens"])
+def test_release_claim_closes_a_detached_session_at_once(tmp_path, env):
     """A hand-over that will not go on (`ReleaseCarry`): the session is closed now, not left to
-    the idle reaper; a spent claim is an error for the caller to log."""
+    the idle reaper, without reading its images; a spent claim is an error for the caller to log."""
     async def main(server):
         async with client(server) as a, client(server) as b:
-            claim = await a.detach((await a.reset("counter", "c/0", "t")).session_id)
+            claim = await a.detach((await a.reset(env, "c/0", "t")).session_id)
+            for path in tmp_path.rglob("*"):  # a read of the session's images would now fail
+                if path.is_file():
+                    path.unlink()
             await release_claim(b, claim)
             stats = await b.stats()
             assert stats["sessions"] == 0 and stats["detached"] == 0

@@ -128,7 +128,7 @@ class FakeEnv:
     def __init__(self):
         self.calls = []
 
-    async def attach(self, claim):
+    async def attach(self, claim, images=True):
         await asyncio.sleep(0.05)  # still attaching when Stop is read
         self.calls.append(("attach", claim))
         return types.SimpleNamespace(session_id=f"s-{claim}")
