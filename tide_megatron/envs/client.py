@@ -26,7 +26,7 @@ its episode. The owner calls `claim = await a.detach(session_id)` (the session t
 to no connection and survives `a`'s; it does not wait for a step in flight, whose result `a`
 still receives); another client calls `await b.attach(claim)`, which waits for that step and
 returns an `AttachResult` (turn count, whether done, and the latest result, images read
-back). A claim is single use and never retried; a detached session nobody attaches is
+back unless `images=False`). A claim is single use and never retried; a detached session nobody attaches is
 closed by the server after its idle timeout. A call that still fails after the retries raises
 `EnvServerDown` naming the server address, the call and the attempts made.
 
