@@ -26,8 +26,8 @@ its episode. The owner calls `claim = await a.detach(session_id)` (the session t
 to no connection and survives `a`'s; it does not wait for a step in flight, whose result `a`
 still receives); another client calls `await b.attach(claim)`, which waits for that step and
 returns an `AttachResult` (turn count, whether done, and the latest result, images read
-back unless `images=False`). A claim is single use and never retried; a detached session nobody attaches is
-closed by the server after its idle timeout. A call that still fails after the retries raises
+back unless `images=False`). A claim is single use and never retried; a detached session
+nobody attaches is closed by the server after its idle timeout. A call that still fails after the retries raises
 `EnvServerDown` naming the server address, the call and the attempts made.
 
 Image observations: a reset or step result carries `images` (references into the server's

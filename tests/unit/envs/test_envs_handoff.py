@@ -261,7 +261,7 @@ def test_attach_reads_the_last_images_back(tmp_path, transport):
 
 def test_attach_without_images_leaves_them_unread(tmp_path):
     async def main(server):
-        async with client(server) as a, client(server, image_transport="wire") as b:
+        async with client(server) as a, client(server) as b:
             first = await a.reset("screens", "c/0", "t")
             got = await b.attach(await a.detach(first.session_id), images=False)
             assert got.last.images == first.images and got.last.image_data == []
