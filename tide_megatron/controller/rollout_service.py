@@ -59,14 +59,14 @@ from tide_megatron.rollout.eval_aggregator import EvalAggregator
 
 logger = logging.getLogger(__name__)
 
-KV_SAMPLE_S = 0.1
-"""How often the KV use ERS reads is sampled."""
+SAMPLE_S = 0.1
+"""How often the KV use and the tasks in flight that ERS reads are sampled."""
 POLL_INTERVAL_S = 0.005
 
 
 def _empty_window() -> dict[str, float]:
     return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_share_s": 0.0, "kv_s": 0.0,
-            "decode_iterations": 0, "decode_s": 0.0, "decode_seq_s": 0.0}
+            "tasks_s": 0.0, "decode_iterations": 0, "decode_s": 0.0, "decode_seq_s": 0.0}
 
 
 _TASK_ENDS = (TrajectoryDone, TaskFailed, TaskCancelled, TaskCarried)
@@ -128,6 +128,7 @@ class RolloutService(threading.Thread):
         self._floor = [0, 0.0]  # batch-of-one decode iterations and seconds, the whole run
         self._full_since: Optional[float] = None
         self._kv_share: Optional[float] = None  # CTB ranks' mean KV use at the last sample (None: unknown)
+        self._tasks = 0  # tasks placed on rollout ranks at the last sample
         self._kv_at = 0.0
         self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
         self._handing_over: dict[str, int] = {}  # task -> the rank leaving rollout that hands it over
@@ -180,7 +181,7 @@ class RolloutService(threading.Thread):
         try:
             while not self._stopping.is_set():
                 read_at = self._pump()
-                self._note_kv(read_at)
+                self._sample_occupancy(read_at)
                 self._start_groups()
                 self._place()
                 self._feed_stream()
@@ -431,23 +432,26 @@ class RolloutService(threading.Thread):
     def ers_window(self, now: Optional[float] = None) -> dict[str, float]:
         """What ERS reads of rollout since the last call (then reset): tokens of training groups
         that became ready and of evaluation trajectories, seconds the admission slots were full,
-        the mean KV use of the CTB ranks in service (0 without CTB), and their decode:
+        the mean KV use of the CTB ranks in service (0 without CTB), the task-seconds of the
+        tasks placed on rollout ranks (`tasks_in_flight_s`), and their decode:
         `decode_iteration_s`, the mean decode iteration of the window (pooled over the ranks:
         seconds / iterations); `mean_decode_batch`, the time-averaged sequences per iteration
-        (sum of batch size x seconds / seconds, as the simulator's); `decode_floor_s`, the mean
-        batch-of-one iteration of the whole run so far (rare under load, so not per window).
+        (sum of batch size x seconds / seconds, as the simulator's); `decode_seq_s`, that sum;
+        `decode_floor_s`, the mean batch-of-one iteration of the whole run so far (rare under
+        load, so not per window).
         Each is 0 when nothing was measured (no CTB report yet, or no batch of one): ERS then
         reads decode as unslowed. The window lags by up to a turn (the counters travel in the
         plugin's report at each turn's end)."""
         now = time.monotonic() if now is None else now
         self._note_slots(now, self._full_since is not None)
-        self._note_kv(now, force=True)
+        self._sample_occupancy(now, force=True)
         w, self._window = self._window, _empty_window()
         floor_n, floor_s = self._floor
         return {"fresh_tokens": w["fresh_tokens"], "eval_tokens": w["eval_tokens"], "slots_full_s": w["slots_full_s"],
                 "kv_used_fraction": w["kv_share_s"] / w["kv_s"] if w["kv_s"] else 0.0,
                 "decode_iteration_s": w["decode_s"] / w["decode_iterations"] if w["decode_iterations"] else 0.0,
                 "mean_decode_batch": w["decode_seq_s"] / w["decode_s"] if w["decode_s"] > 0 else 0.0,
+                "decode_seq_s": w["decode_seq_s"], "tasks_in_flight_s": w["tasks_s"],
                 "decode_floor_s": floor_s / floor_n if floor_n else 0.0}
 
     def _on_decode_counters(self, rank: int, report: dict[str, Any]) -> None:
@@ -477,17 +481,19 @@ class RolloutService(threading.Thread):
             self._window["slots_full_s"] += now - self._full_since
         self._full_since = now if full else None
 
-    def _note_kv(self, now: float, force: bool = False) -> None:
-        """Time-weighted KV use: the share sampled at most every `KV_SAMPLE_S` holds until the
-        next sample (the loop runs every few ms; a sample per pass would weigh busy spells, when
-        the loop is slow, less than idle ones)."""
-        if not force and now - self._kv_at < KV_SAMPLE_S:
+    def _sample_occupancy(self, now: float, force: bool = False) -> None:
+        """Time-weighted KV use and tasks in flight: each sample, taken at most every
+        `SAMPLE_S`, holds until the next (the loop runs every few ms; a sample per pass would
+        weigh busy spells, when the loop is slow, less than idle ones)."""
+        if not force and now - self._kv_at < SAMPLE_S:
             return
         if self._kv_share is not None:
             self._window["kv_share_s"] += self._kv_share * (now - self._kv_at)
             self._window["kv_s"] += now - self._kv_at
+        self._window["tasks_s"] += self._tasks * (now - self._kv_at)
         usage = getattr(self.placement, "kv_usage", None)
         self._kv_share = usage(self.quarantine.serving) if usage is not None else None
+        self._tasks = self.placement.running()
         self._kv_at = now
 
     def send_weights(self, manifest, flat) -> list[int]:

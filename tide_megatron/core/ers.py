@@ -22,14 +22,25 @@ measures; nothing comes from a hardware model) and:
    open corrects r_r for short throttled spells. When the slots were full for most of the step
    r_r says little (the trap of a trainer-bound run: the trainer's backlog fills the slots,
    Rollout starves into tiny decode batches, and the measured rates look balanced). How much
-   decode batching slows each trajectory is what tells the cases apart: a decode iteration
+   decode batching slows each trajectory is what tells the cases apart. A decode iteration
    costs its weight read plus the KV reads of its batch, so its measured time over the
-   batch-of-one time (the slowdown) says whether trajectories are decode-bound. So, with the
-   slots full:
-   - the trainer did not starve, decode runs near its floor (small batches) and Rollout has
-     KV headroom to absorb one rank's load: Rollout is over-provisioned, R* = R - 1;
-   - the trainer starved and decode is slowed by batching: trajectories are slow because
-     Rollout is short of ranks, and the trainer has slack to give one, R* = R + 1;
+   batch-of-one time (the decode slowdown s) says how much batching stretches decode; but a
+   trajectory also waits on its env, so only its decode share stretches. Of the window's
+   task-seconds T on the rollout ranks, decode took D sequence-seconds, D (1 - 1/s) of them
+   beyond the floor; trajectories ran T / (T - D (1 - 1/s)) times longer than with decode at
+   its floor (the trajectory slowdown; s itself when T is not measured). More rollout ranks
+   recover part of that, no more: when env waits fill the trajectories, a slowed decode still
+   leaves them env-bound. So, with the slots full:
+   - the trainer did not starve, trajectories run near their floor and Rollout has KV
+     headroom to absorb one rank's load: Rollout is over-provisioned, R* = R - 1;
+   - the trainer starved: one more rollout block of b ranks is taken when it is predicted to
+     raise the throughput by more than the deadband. The step's data arrives as fast as the
+     trajectories finish (the window holds their number), and the batching excess
+     X = D (1 - 1/s) shrinks with the load per rank, to X R / (R + b): delivery gains
+     T / (T - X b / (R + b)). The trainer, busy u = busy / (busy + starved) of the time it
+     had, keeps up with (N - R - b) / ((N - R) u) of the current throughput. The smaller of
+     the two is the prediction, so a starved trainer gives a rank only when it has the slack
+     and the trajectories gain from it;
    - otherwise the split is held (the window and the env, not the ranks, bound the pipeline).
 4. Deadband and rate limit. Within `max_moves_per_step` ranks of the current split (the
    paper's one trainer rank per step) and the minimum sizes, the split with the highest
@@ -104,9 +115,10 @@ class ERSConfig:
     work re-dispatched) or "lowest" (the lowest id, so the trainer stays a prefix of the ranks,
     as the real system's process groups need)."""
     decode_slowdown: float = 0.25
-    """Decode counts as slowed by batching when its mean iteration exceeds the batch-of-one
-    iteration by more than this share: at 25% a trajectory's decode is a fifth slower than it
-    can be, a loss one more rollout rank recovers in part; below it, batching is nearly free."""
+    """Trajectories run near their floor while decode batching makes them at most this share
+    longer than with decode at its batch-of-one floor (the trajectory slowdown, module
+    docstring); only then may a throttled rollout give up a rank, which loads the others more:
+    at 25% a fifth of a trajectory's time is batching's already."""
 
     def __post_init__(self) -> None:
         if self.min_rollout_ranks < 0 or self.min_trainer_ranks < 1:
@@ -170,6 +182,12 @@ class ERSMeasurements:
     """Decode iteration time of a batch of one (the weights' read; from the engine's profile)."""
     mean_decode_batch: float = 0.0
     """Time-averaged sequences per decode iteration on a rollout rank (reported with the plan)."""
+    decode_seq_s: float = 0.0
+    """Sequence-seconds in decode on the rollout ranks: the sum over decode iterations of batch
+    size x iteration seconds (0: not measured)."""
+    tasks_in_flight_s: float = 0.0
+    """Task-seconds on the rollout ranks: the time-integral of the tasks placed there, whether
+    decoding, queued, paused or waiting on their env (0: not measured)."""
 
     @property
     def decode_slowdown(self) -> float:
@@ -178,11 +196,24 @@ class ERSMeasurements:
             return self.decode_iteration_s / self.decode_floor_s
         return 1.0
 
+    @property
+    def trajectory_slowdown(self) -> float:
+        """How many times longer the trajectories ran than with decode at its batch-of-one
+        floor: T / (T - D (1 - 1/s)) for task-seconds T, decode sequence-seconds D and decode
+        slowdown s (module docstring); the decode slowdown itself when T or D is not measured
+        (trajectories taken as all decode)."""
+        s = self.decode_slowdown
+        if self.tasks_in_flight_s <= 0 or self.decode_seq_s <= 0 or s <= 1.0:
+            return s
+        excess = min(self.decode_seq_s, self.tasks_in_flight_s) * (1.0 - 1.0 / s)
+        return self.tasks_in_flight_s / (self.tasks_in_flight_s - excess)
+
     def __post_init__(self) -> None:
         if self.window_s <= 0 or self.trainer_ranks < 0 or self.rollout_ranks < 0:
             raise ValueError("window_s must be > 0 and rank counts >= 0")
         if min(self.trainer_busy_s, self.trainer_starved_s, self.trained_tokens, self.fresh_tokens,
-               self.eval_tokens, self.slots_full_s, self.kv_used_fraction) < 0:
+               self.eval_tokens, self.slots_full_s, self.kv_used_fraction, self.decode_seq_s,
+               self.tasks_in_flight_s) < 0:
             raise ValueError("measurements must be >= 0")
 
 
@@ -202,7 +233,8 @@ class ERSController:
         self.step_tokens: Optional[float] = None
         """Smoothed trainer-work tokens per step."""
         self.shares: Optional[dict[str, float]] = None
-        """Smoothed window shares: admission window full, trainer starved; KV use; decode slowdown."""
+        """Smoothed window shares: admission window full, trainer starved; KV use; decode and
+        trajectory slowdowns."""
         self.last_move_step: Optional[int] = None
 
     # ------------------------------------------------------------------ plans
@@ -279,7 +311,9 @@ class ERSController:
             self.rollout_rate = ewma(self.rollout_rate, (m.fresh_tokens + m.eval_tokens) / (open_s * m.rollout_ranks))
         new = {"full_share": min(1.0, m.slots_full_s / m.window_s),
                "starved_share": min(1.0, m.trainer_starved_s / m.window_s),
-               "kv_used_fraction": m.kv_used_fraction, "decode_slowdown": m.decode_slowdown}
+               "busy_share": min(1.0, m.trainer_busy_s / m.window_s),
+               "kv_used_fraction": m.kv_used_fraction, "decode_slowdown": m.decode_slowdown,
+               "trajectory_slowdown": m.trajectory_slowdown}
         old = self.shares or new
         self.shares = {k: ewma(old[k], v) for k, v in new.items()}
 
@@ -290,17 +324,20 @@ class ERSController:
         starved = sh["starved_share"] >= cfg.starved_fraction
         if sh["full_share"] >= cfg.slots_full_fraction:
             room = r_now >= 2 and sh["kv_used_fraction"] * r_now / (r_now - 1) <= cfg.kv_headroom
-            slow = sh["decode_slowdown"] > 1 + cfg.decode_slowdown
+            slow = sh["trajectory_slowdown"] > 1 + cfg.decode_slowdown
+            decode = (f"decode at {sh['decode_slowdown']:.2f}x its floor, trajectories at "
+                      f"{sh['trajectory_slowdown']:.2f}x theirs")
             if not starved and not slow and room:
                 return self._move(r_now, -1), None, (
                     f"rollout over-provisioned: admission window full {sh['full_share']:.0%} of the step, "
-                    f"decode at {sh['decode_slowdown']:.2f}x its floor, KV at {sh['kv_used_fraction']:.0%}, "
-                    f"trainer starved {sh['starved_share']:.0%}")
-            if starved and slow:
+                    f"{decode}, KV at {sh['kv_used_fraction']:.0%}, trainer starved {sh['starved_share']:.0%}")
+            gain = self._growth_gain(r_now) if starved else 0.0
+            if gain > 1 + cfg.deadband:
                 return self._move(r_now, +1), None, (
-                    f"trajectories slowed by decode batching ({sh['decode_slowdown']:.2f}x the floor) while the "
-                    f"trainer starved {sh['starved_share']:.0%} of the step")
-            return r_now, None, "window full: the staleness bound, not the split, limits the pipeline"
+                    f"trajectories slowed by decode batching ({decode}) while the trainer starved "
+                    f"{sh['starved_share']:.0%} of the step: a rollout block more predicts {gain:.3f}x the throughput")
+            return r_now, None, (f"window full: the staleness bound, not the split, limits the pipeline ({decode}; "
+                                 f"trainer starved {sh['starved_share']:.0%})")
         if not self.trainer_rate or not self.rollout_rate:
             return r_now, None, "rates not measured yet"
         r_t, r_r, n = self.trainer_rate, self.rollout_rate, self.world_size
@@ -318,6 +355,20 @@ class ERSController:
             best = r_now
         return best, target, (f"balance: trainer {r_t:.0f} tok/rank-s, rollout {r_r:.0f} tok/rank-s -> "
                               f"R* = {target:.1f}; predicted {predicted(r_now):.0f} -> {predicted(best):.0f} tok/s")
+
+    def _growth_gain(self, r_now: int) -> float:
+        """Predicted throughput with one more rollout block over the current one, for a full
+        window and a starved trainer (module docstring, 3): min(delivery gain, trainer bound)."""
+        sh, b = self.shares, self.config.rank_block
+        trainer = self.world_size - r_now
+        if trainer <= b:
+            return 0.0
+        excess = 1.0 - 1.0 / max(1.0, sh["trajectory_slowdown"])  # X / T
+        delivery = 1.0 / (1.0 - excess * b / (r_now + b))
+        busy = sh["busy_share"]
+        if busy <= 0:  # the trainer did no work at all: it has every rank to spare
+            return delivery
+        return min(delivery, (trainer - b) / trainer * (busy + sh["starved_share"]) / busy)
 
     def _move(self, r_now: int, direction: int) -> int:
         """One block in `direction`, or none when that leaves the bounds (no partial block)."""

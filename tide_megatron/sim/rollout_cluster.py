@@ -110,6 +110,8 @@ class RolloutCluster:
         self.ranks: Dict[int, RolloutRank] = {}
         self.active: set = set()
         self.live = 0  # trajectories holding an env slot
+        self._live_s = 0.0  # time-integral of `live` up to `_live_at` (the real run's tasks in flight)
+        self._live_at = loop.now
         self.version = 0  # policy version the engines serve (set at every weight sync)
         self.retired_stats = RankStats()
         self.pauses = 0
@@ -164,7 +166,7 @@ class RolloutCluster:
         if traj.cancelled:  # its group was cancelled while this member still queued
             self.policy.on_finished(traj)
             return
-        self.live += 1
+        self._count_live(+1, now)
         traj.admitted = True
         traj.start_time = now
         self.on_admit(traj)
@@ -206,7 +208,7 @@ class RolloutCluster:
             traj.rank = -1
         if traj.admitted:
             traj.admitted = False
-            self.live -= 1
+            self._count_live(-1, now)
             self.policy.on_finished(traj)
             self.kick()
         return tokens
@@ -292,7 +294,7 @@ class RolloutCluster:
         if rank is not None:
             self._started(rank.release(traj, now))
             self._reschedule(rank)
-        self.live -= 1
+        self._count_live(-1, now)
         traj.admitted = False
         traj.end_time = now
         self.policy.on_finished(traj)
@@ -306,6 +308,16 @@ class RolloutCluster:
         for rid in sorted(self.ranks):
             total.add(self.ranks[rid].stats)
         return total
+
+    def _count_live(self, delta: int, now: float) -> None:
+        self._live_s += self.live * (now - self._live_at)
+        self._live_at = now
+        self.live += delta
+
+    def live_s_at(self, now: float) -> float:
+        """Trajectory-seconds of admitted trajectories (on a rank, paused or with their env) up
+        to `now`: the real run's tasks in flight, integrated."""
+        return self._live_s + self.live * (now - self._live_at)
 
     def idle_s_at(self, now: float) -> float:
         """Rollout idle seconds (RWT) of every rank up to `now`, read without moving any decode

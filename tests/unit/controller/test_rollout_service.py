@@ -521,22 +521,26 @@ def test_the_run_stops_when_no_rollout_rank_is_left(store):
         rank.stop.set()
 
 
-def test_the_kv_use_ers_reads_is_time_weighted_and_sampled_at_most_every_tenth_of_a_second(store):
+def test_the_kv_use_and_tasks_ers_reads_are_time_weighted_and_sampled_at_most_every_tenth_of_a_second(store):
     mailbox = Mailbox(store, 0)
     health = RolloutHealth([], 0.0, heartbeat_timeout_s=30.0, stall_timeout_s=30.0)
     shares = iter([0.5, 0.9, 0.2, 0.0])
+    tasks = iter([2, 5, 3, 0])
     placement = RequestPlacement(mailbox, [1], 8)
     placement.kv_usage = lambda ranks: next(shares)
+    placement.running = lambda: next(tasks)
     svc = RolloutService(mailbox=mailbox, buffer=GlobalBuffer(BufferConfig(group_size=G, b_min=G, b_ideal=G)),
                          placement=placement, mode=mode_policy("tide"), rollout_ranks=[1], tasks=TASKS, group_size=G,
                          groups_per_step=1, max_staleness=1, max_task_retries=1, max_failed_groups=3, seed=0,
                          start_version=0, health=health)  # not started: this test is its only thread
-    svc._note_kv(100.0)  # 0.5 from here
-    svc._note_kv(100.05)  # too soon: no sample
-    svc._note_kv(101.0)  # 0.9 from here
-    window = svc.ers_window(now=104.0)  # (0.5 x 1 s + 0.9 x 3 s) / 4 s; samples 0.2 from here
+    svc._sample_occupancy(100.0)  # 0.5 and 2 tasks from here
+    svc._sample_occupancy(100.05)  # too soon: no sample
+    svc._sample_occupancy(101.0)  # 0.9 and 5 tasks from here
+    window = svc.ers_window(now=104.0)  # (0.5 x 1 s + 0.9 x 3 s) / 4 s; samples 0.2 and 3 from here
     assert window["kv_used_fraction"] == pytest.approx(0.8)
-    assert svc.ers_window(now=105.0)["kv_used_fraction"] == pytest.approx(0.2)
+    assert window["tasks_in_flight_s"] == pytest.approx(2 * 1.0 + 5 * 3.0)
+    window = svc.ers_window(now=105.0)
+    assert window["kv_used_fraction"] == pytest.approx(0.2) and window["tasks_in_flight_s"] == pytest.approx(3.0)
 def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
     """A finished turn's plugin report with the engine's cumulative decode counters."""
     return TurnEvent("g0/0", "finished", 10, report={
@@ -562,7 +566,7 @@ def test_ers_window_takes_differences_of_the_ranks_cumulative_decode_counters(st
     w = _window_after(svc, store, (1, _decode_turn(10, 0.2, 0.2, floor_n=10, floor_s=0.2)),
                       (2, _decode_turn(10, 0.5, 2.0, pid=200)))
     assert w["decode_iteration_s"] == pytest.approx(0.7 / 20)
-    assert w["mean_decode_batch"] == pytest.approx(2.2 / 0.7)
+    assert w["mean_decode_batch"] == pytest.approx(2.2 / 0.7) and w["decode_seq_s"] == pytest.approx(2.2)
     assert w["decode_floor_s"] == pytest.approx(0.02)
     # Next window: rank 1 ran 10 more (batch 8, 0.1 s each), then an older report of its
     # scheduler arrives late (skipped); rank 2's engine restarted (a new scheduler process):

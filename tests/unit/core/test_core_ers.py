@@ -29,11 +29,12 @@ def plan_of(roles, mode=RA2PMode.COLOCATED):
 
 
 def measure(*, trainer, rollout, trained=10_000, busy=10.0, starved=0.0, fresh=10_000, eval_tokens=0,
-            slots_full=0.0, kv=0.2, window=10.0, ras=0.0, rate=0.0, slowdown=1.0):
+            slots_full=0.0, kv=0.2, window=10.0, ras=0.0, rate=0.0, slowdown=1.0, decode_seq=0.0, tasks=0.0):
     return ERSMeasurements(window_s=window, trainer_ranks=trainer, trainer_busy_s=busy, trainer_starved_s=starved,
                            trained_tokens=trained, rollout_ranks=rollout, fresh_tokens=fresh, eval_tokens=eval_tokens,
                            slots_full_s=slots_full, kv_used_fraction=kv, ras_tokens=ras, arrival_tokens_per_s=rate,
-                           decode_iteration_s=0.01 * slowdown, decode_floor_s=0.01)
+                           decode_iteration_s=0.01 * slowdown, decode_floor_s=0.01, decode_seq_s=decode_seq,
+                           tasks_in_flight_s=tasks)
 
 
 def controller(world, **kw):
@@ -141,6 +142,43 @@ def test_throttled_and_starved_grows_rollout_only_when_decode_is_slowed_by_batch
     fast = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=8.0, starved=5.0, busy=5.0,
                                            slowdown=1.05), TIMES, step=0)
     assert not fast.changed and "staleness bound" in fast.reason
+
+
+def test_trajectory_slowdown_stretches_only_the_decode_share_of_the_tasks():
+    # decode 2x its floor over all of the task time: the tasks are 2x slower too
+    assert measure(trainer=1, rollout=1, slowdown=2.0, decode_seq=10.0, tasks=10.0).trajectory_slowdown == \
+        pytest.approx(2.0)
+    # a fifth of the task time in decode at 2x: 10 s of task time, 1 s of it batching's -> 10/9
+    assert measure(trainer=1, rollout=1, slowdown=2.0, decode_seq=2.0, tasks=10.0).trajectory_slowdown == \
+        pytest.approx(10 / 9)
+    # task time not measured: the tasks are taken as all decode
+    assert measure(trainer=1, rollout=1, slowdown=1.6).trajectory_slowdown == pytest.approx(1.6)
+    # decode at its floor (or faster, by noise) slows nothing
+    assert measure(trainer=1, rollout=1, slowdown=0.9, decode_seq=5.0, tasks=10.0).trajectory_slowdown == \
+        pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        measure(trainer=1, rollout=1, tasks=-1.0)
+
+
+def test_env_bound_trajectories_hold_the_split_however_slow_their_decode():
+    """The long-tailed env case: the window is full, the trainer starves on the env's tail, and
+    decode runs 1.6x its floor, but decode is a tenth of the tasks' time: one more rollout rank
+    would speed the trajectories by under 4%, so the trainer keeps its ranks."""
+    cur = plan_of([AR] * 4 + [R] * 4)
+    env_bound = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=8.0, starved=5.0, busy=5.0,
+                                                slowdown=1.6, decode_seq=4.0, tasks=40.0), TIMES, step=0)
+    assert not env_bound.changed and "staleness bound" in env_bound.reason
+    assert env_bound.extras["trajectory_slowdown"] == pytest.approx(40 / (40 - 4 * 0.375))
+    # the same decode filling the tasks' time: batching, not the env, slows them
+    decode_bound = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=8.0, starved=5.0, busy=5.0,
+                                                   slowdown=1.6, decode_seq=40.0, tasks=40.0), TIMES, step=0)
+    assert len(decode_bound.rollout_ranks) == 5 and "decode batching" in decode_bound.reason
+    # decode-bound, but the trainer has no slack: busy 80% of its time on 2 ranks, it would fall
+    # to 0.5 / 0.8 of the throughput on one, which the trajectories' 8% cannot make up for
+    short = controller(4).plan(plan_of([AR] * 2 + [R] * 2), measure(
+        trainer=2, rollout=2, slots_full=8.0, starved=2.0, busy=8.0, slowdown=1.6, decode_seq=40.0, tasks=40.0),
+        TIMES, step=0)
+    assert not short.changed and "staleness bound" in short.reason
 
 
 def test_cooldown_holds_the_split_for_a_step_after_a_move():
