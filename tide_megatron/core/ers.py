@@ -31,16 +31,17 @@ measures; nothing comes from a hardware model) and:
    its floor (the trajectory slowdown; s itself when T is not measured). More rollout ranks
    recover part of that, no more: when env waits fill the trajectories, a slowed decode still
    leaves them env-bound. So, with the slots full:
-   - the trainer did not starve, trajectories run near their floor and Rollout has KV
-     headroom to absorb one rank's load: Rollout is over-provisioned, R* = R - 1;
-   - the trainer starved: one more rollout block of b ranks is taken when it is predicted to
-     raise the throughput by more than the deadband. The step's data arrives as fast as the
-     trajectories finish (the window holds their number), and the batching excess
-     X = D (1 - 1/s) shrinks with the load per rank, to X R / (R + b): delivery gains
-     T / (T - X b / (R + b)). The trainer, busy u = busy / (busy + starved) of the time it
-     had, keeps up with (N - R - b) / ((N - R) u) of the current throughput. The smaller of
-     the two is the prediction, so a starved trainer gives a rank only when it has the slack
-     and the trajectories gain from it;
+   - the trainer did not starve, decode runs near its floor (small batches: the engines'
+     own load, which the rank taken away adds to) and Rollout has KV headroom to absorb one
+     rank's load: Rollout is over-provisioned, R* = R - 1;
+   - the trainer starved, batching slows the trajectories by more than the deadband (so a
+     rollout block more would speed the data's arrival: the window holds the number of
+     trajectories, their latency sets the rate), and the trainer has the slack to give a
+     block of b ranks: busy u = busy / (busy + starved) of the time it had, it keeps up on
+     N - R - b ranks while (N - R - b) / ((N - R) u) >= 1. Then R* = R + b: the trainer loses
+     nothing and the trajectories gain. A trainer without that slack keeps its ranks however
+     slow the decode: when env waits fill the trajectories, a rank moved to rollout only waits
+     on the env with the others;
    - otherwise the split is held (the window and the env, not the ranks, bound the pipeline).
 4. Deadband and rate limit. Within `max_moves_per_step` ranks of the current split (the
    paper's one trainer rank per step) and the minimum sizes, the split with the highest
@@ -115,10 +116,9 @@ class ERSConfig:
     work re-dispatched) or "lowest" (the lowest id, so the trainer stays a prefix of the ranks,
     as the real system's process groups need)."""
     decode_slowdown: float = 0.25
-    """Trajectories run near their floor while decode batching makes them at most this share
-    longer than with decode at its batch-of-one floor (the trajectory slowdown, module
-    docstring); only then may a throttled rollout give up a rank, which loads the others more:
-    at 25% a fifth of a trajectory's time is batching's already."""
+    """Decode runs near its floor while its mean iteration exceeds the batch-of-one iteration
+    by at most this share; only then may a throttled rollout give up a rank, which loads the
+    others more: at 25% a fifth of decode's time is batching's already."""
 
     def __post_init__(self) -> None:
         if self.min_rollout_ranks < 0 or self.min_trainer_ranks < 1:
@@ -324,20 +324,19 @@ class ERSController:
         starved = sh["starved_share"] >= cfg.starved_fraction
         if sh["full_share"] >= cfg.slots_full_fraction:
             room = r_now >= 2 and sh["kv_used_fraction"] * r_now / (r_now - 1) <= cfg.kv_headroom
-            slow = sh["trajectory_slowdown"] > 1 + cfg.decode_slowdown
             decode = (f"decode at {sh['decode_slowdown']:.2f}x its floor, trajectories at "
                       f"{sh['trajectory_slowdown']:.2f}x theirs")
-            if not starved and not slow and room:
+            if not starved and room and sh["decode_slowdown"] <= 1 + cfg.decode_slowdown:
                 return self._move(r_now, -1), None, (
                     f"rollout over-provisioned: admission window full {sh['full_share']:.0%} of the step, "
                     f"{decode}, KV at {sh['kv_used_fraction']:.0%}, trainer starved {sh['starved_share']:.0%}")
-            gain = self._growth_gain(r_now) if starved else 0.0
-            if gain > 1 + cfg.deadband:
+            keeps_up = self._trainer_keeps_up(r_now)
+            if starved and sh["trajectory_slowdown"] > 1 + cfg.deadband and keeps_up >= 1.0:
                 return self._move(r_now, +1), None, (
                     f"trajectories slowed by decode batching ({decode}) while the trainer starved "
-                    f"{sh['starved_share']:.0%} of the step: a rollout block more predicts {gain:.3f}x the throughput")
+                    f"{sh['starved_share']:.0%} of the step; it keeps up ({keeps_up:.2f}x) with a block fewer")
             return r_now, None, (f"window full: the staleness bound, not the split, limits the pipeline ({decode}; "
-                                 f"trainer starved {sh['starved_share']:.0%})")
+                                 f"trainer starved {sh['starved_share']:.0%}, {keeps_up:.2f}x with a block fewer)")
         if not self.trainer_rate or not self.rollout_rate:
             return r_now, None, "rates not measured yet"
         r_t, r_r, n = self.trainer_rate, self.rollout_rate, self.world_size
@@ -356,19 +355,18 @@ class ERSController:
         return best, target, (f"balance: trainer {r_t:.0f} tok/rank-s, rollout {r_r:.0f} tok/rank-s -> "
                               f"R* = {target:.1f}; predicted {predicted(r_now):.0f} -> {predicted(best):.0f} tok/s")
 
-    def _growth_gain(self, r_now: int) -> float:
-        """Predicted throughput with one more rollout block over the current one, for a full
-        window and a starved trainer (module docstring, 3): min(delivery gain, trainer bound)."""
+    def _trainer_keeps_up(self, r_now: int) -> float:
+        """The trainer's capacity with one block fewer over the throughput it delivered: time
+        it had (busy + starved) over the time its busy work takes on the remaining ranks
+        (module docstring, 3); >= 1 means it loses nothing."""
         sh, b = self.shares, self.config.rank_block
         trainer = self.world_size - r_now
         if trainer <= b:
             return 0.0
-        excess = 1.0 - 1.0 / max(1.0, sh["trajectory_slowdown"])  # X / T
-        delivery = 1.0 / (1.0 - excess * b / (r_now + b))
         busy = sh["busy_share"]
-        if busy <= 0:  # the trainer did no work at all: it has every rank to spare
-            return delivery
-        return min(delivery, (trainer - b) / trainer * (busy + sh["starved_share"]) / busy)
+        if busy <= 0:  # no work done at all: every rank is spare
+            return math.inf
+        return (trainer - b) / trainer * (busy + sh["starved_share"]) / busy
 
     def _move(self, r_now: int, direction: int) -> int:
         """One block in `direction`, or none when that leaves the bounds (no partial block)."""
