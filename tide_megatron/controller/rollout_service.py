@@ -129,7 +129,7 @@ class RolloutService(threading.Thread):
         self._full_since: Optional[float] = None
         self._kv_share: Optional[float] = None  # CTB ranks' mean KV use at the last sample (None: unknown)
         self._tasks = 0  # tasks placed on rollout ranks at the last sample
-        self._kv_at = 0.0
+        self._sampled_at = 0.0
         self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
         self._handing_over: dict[str, int] = {}  # task -> the rank leaving rollout that hands it over
         self._carried: dict[str, int] = {}
@@ -485,16 +485,16 @@ class RolloutService(threading.Thread):
         """Time-weighted KV use and tasks in flight: each sample, taken at most every
         `SAMPLE_S`, holds until the next (the loop runs every few ms; a sample per pass would
         weigh busy spells, when the loop is slow, less than idle ones)."""
-        if not force and now - self._kv_at < SAMPLE_S:
+        if not force and now - self._sampled_at < SAMPLE_S:
             return
         if self._kv_share is not None:
-            self._window["kv_share_s"] += self._kv_share * (now - self._kv_at)
-            self._window["kv_s"] += now - self._kv_at
-        self._window["tasks_s"] += self._tasks * (now - self._kv_at)
+            self._window["kv_share_s"] += self._kv_share * (now - self._sampled_at)
+            self._window["kv_s"] += now - self._sampled_at
+        self._window["tasks_s"] += self._tasks * (now - self._sampled_at)
         usage = getattr(self.placement, "kv_usage", None)
         self._kv_share = usage(self.quarantine.serving) if usage is not None else None
         self._tasks = self.placement.running()
-        self._kv_at = now
+        self._sampled_at = now
 
     def send_weights(self, manifest, flat) -> list[int]:
         """Send packed weights to the ranks in service and those ready to rejoin; returns them.

@@ -97,6 +97,29 @@ def test_ers_moves_the_split_away_from_a_lopsided_start(small_config, share, dir
     assert all(len(e) == 7 for e in m.ers_log)
 
 
+def test_ers_reads_the_task_time_that_holds_the_decode_it_reads(small_config):
+    """ERS's trajectory slowdown compares decode's sequence-seconds with the task-seconds of the
+    live trajectories: every decoding sequence belongs to a live trajectory, which also waits
+    on its env, so each window's task time exceeds its decode time, and the trajectories are
+    slowed less than their decode."""
+    sim = Simulator(small_config("mode=tide", "steps=6", "workload.eval_every=0"))
+    seen = []
+    measure = sim._measurements
+
+    def record():
+        m = measure()
+        seen.append(m)
+        return m
+
+    sim._measurements = record
+    sim.run()
+    measured = [m for m in seen if m.decode_seq_s > 0]
+    assert measured
+    for m in measured:
+        assert m.decode_seq_s < m.tasks_in_flight_s <= m.window_s * sim.cluster.env_concurrency
+        assert m.trajectory_slowdown <= m.decode_slowdown
+
+
 @pytest.mark.parametrize("share,shrinks", [(0.875, True), (0.125, False)])
 def test_steps_shrink_toward_b_min_only_after_a_rollout_scale_down(small_config, share, shrinks):
     """Adaptive data retention as on the real stack: a step's size is fixed when it opens
