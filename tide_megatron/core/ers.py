@@ -96,7 +96,9 @@ class ERSConfig:
     deadband: float = 0.02
     """A rate-driven move must promise this much more throughput (relative) than the current
     split. Below the gain of one rank on a side of up to ~50 ranks (2%), so every rank-level
-    improvement is taken; above zero, so near-ties do not flip the split back and forth."""
+    improvement is taken; above zero, so near-ties do not flip the split back and forth. With
+    the window full, the share by which batching must slow the trajectories before a starved
+    trainer gives a rank (below it, what a rank could recover is noise)."""
     rate_ewma_alpha: float = 0.5
     """Weight of the newest step in the smoothed rates and shares the controller decides on
     (steps alternate between backlog-fed and arrival-fed, so single steps mislead)."""
