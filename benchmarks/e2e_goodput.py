@@ -119,6 +119,9 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
         "role_changes": int(max((r.get("ers/changes", 0) for r in rows), default=0)),
         "rank_moves": int(max((r.get("ers/moves", 0) for r in rows), default=0)),
         "trainer_ranks_by_step": [int(r["ers/trainer_ranks"]) for r in rows if "ers/trainer_ranks" in r],
+        # why ERS planned what it did after each step (held splits too): the run's metrics go
+        # with its temporary folder
+        "ers_reason_by_step": [r["ers/reason"] for r in rows if "ers/reason" in r],
         "tasks_moved": int(last.get("rollout/tasks_moved", 0)),
         "tasks_carried": int(last.get("rollout/tasks_carried", 0)),
         "carried_tokens": int(last.get("rollout/carried_tokens", 0)),

@@ -76,7 +76,7 @@ class StepLog:
 
     def step(self, step: int, version: int, outcome, *, ras: float, hol: float, readiness, twt_s: float,
              train_s: float, sync_s: float, checkpoint_s: float, step_s: float,
-             extra: Optional[dict[str, float]] = None) -> None:
+             extra: Optional[dict[str, float | str]] = None) -> None:
         trajs = [t for g in outcome.consumed for t in g.trajectories]
         generated = sum(t.generated_tokens for t in trajs)
         self._consumed_total += generated

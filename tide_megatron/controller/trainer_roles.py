@@ -202,8 +202,9 @@ class TrainerRoles:
         return {"ers/cold_start_end_s": out["ers/role_change_s"]} if "ers/role_change_s" in out else {}
 
     def after_update(self, step: int, m: ERSMeasurements, times, ra2p=None,
-                     expected_eval_s: float = 0.0) -> dict[str, float]:
-        """Plan the next step's roles and move to them; returns metrics for the step. `times`,
+                     expected_eval_s: float = 0.0) -> dict[str, float | str]:
+        """Plan the next step's roles and move to them; returns metrics for the step (numbers,
+        and the plan's reason as `ers/reason`). `times`,
         `ra2p`: RA2P's cost inputs as the trainer's mode selector measured them
         (`ModeSelector.cost_inputs`); `expected_eval_s`: an evaluation starts at this boundary
         and is expected to take this long (0: none starts, or its length is not measured yet)."""
@@ -212,15 +213,16 @@ class TrainerRoles:
         self._cold_start_loan = False  # a loan still in force ends at this boundary
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
-        # what ERS read and concluded (rates, shares, decode slowdown, target split), for the logs
+        # what ERS read and concluded (rates, shares, decode slowdown, target split, and why;
+        # the reason also for a held split), for the logs
         signals = {f"ers/{k}": v for k, v in plan.extras.items() if math.isfinite(v)}
         keep = self.ers.eval_trainer_ranks(expected_eval_s)
         if self.cfg.drill_every or not (expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval) \
                 or keep >= len(plan.trainer_ranks):
-            return {**signals, **self._carry_out(plan, step)}
+            return {**signals, "ers/reason": plan.reason, **self._carry_out(plan, step)}
         loan = self.ers.preemptive_plan(plan, keep_trainer_ranks=keep, reason=(
             f"evaluation expected to take {expected_eval_s:.1f} s; {keep} trainer rank(s) finish the step within it"))
-        return {**signals, **self._carry_out(loan, step, reactive=plan)}
+        return {**signals, "ers/reason": loan.reason, **self._carry_out(loan, step, reactive=plan)}
 
     def _carry_out(self, plan: RolePlan, step: int, reactive: Optional[RolePlan] = None,
                    retain: bool = True) -> dict[str, float]:

@@ -322,9 +322,11 @@ def test_an_evaluation_step_lends_the_trainer_ranks_the_step_does_not_need_and_g
     times = MicroBatchTimes(0.05, 0.05, 0.1)
     short = roles.after_update(1, m, times, expected_eval_s=0.5)  # 6 ranks would be needed: no loan
     assert short["ers/lent_ranks"] == 0 and worker.applied == [] and events == []
+    assert short["ers/reason"].startswith("balance: trainer 100 tok/rank-s, rollout 1000 tok/rank-s")  # the split held
     lent = roles.after_update(2, m, times, expected_eval_s=2.0)
     assert events == [("return_to_rollout", 2)] and worker.assignment.actor_ranks == (0, 1)
     assert lent["ers/lent_ranks"] == 1 and lent["ers/moves"] == 1
+    assert lent["ers/reason"].startswith("evaluation expected to take 2.0 s; 2 trainer rank(s)")  # the loan's
     assert roles.plan.trainer_ranks == [0, 1, 2]  # the reactive plan is what ERS goes on from
     events.clear()
     back = roles.after_update(3, m, times)
