@@ -204,17 +204,17 @@ class TrainerRoles:
     def after_update(self, step: int, m: ERSMeasurements, times, ra2p=None,
                      expected_eval_s: float = 0.0) -> dict[str, float | str]:
         """Plan the next step's roles and move to them; returns metrics for the step (numbers,
-        and the plan's reason as `ers/reason`). `times`,
-        `ra2p`: RA2P's cost inputs as the trainer's mode selector measured them
-        (`ModeSelector.cost_inputs`); `expected_eval_s`: an evaluation starts at this boundary
-        and is expected to take this long (0: none starts, or its length is not measured yet)."""
+        and the plan's reason as `ers/reason`). `times`, `ra2p`: RA2P's cost inputs as the
+        trainer's mode selector measured them (`ModeSelector.cost_inputs`); `expected_eval_s`:
+        an evaluation starts at this boundary and is expected to take this long (0: none
+        starts, or its length is not measured yet)."""
         if not self.enabled:
             return {}
         self._cold_start_loan = False  # a loan still in force ends at this boundary
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
-        # what ERS read and concluded (rates, shares, decode slowdown, target split, and why;
-        # the reason also for a held split), for the logs
+        # what ERS read and concluded (rates, shares, decode slowdown, target split), for the
+        # logs; `ers/reason` says why, also when the split is held
         signals = {f"ers/{k}": v for k, v in plan.extras.items() if math.isfinite(v)}
         keep = self.ers.eval_trainer_ranks(expected_eval_s)
         if self.cfg.drill_every or not (expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval) \
