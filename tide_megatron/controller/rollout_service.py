@@ -317,7 +317,7 @@ class RolloutService(threading.Thread):
         self._attempts.pop(tid, None)
         done = self.buffer.add_trajectory(traj, now, consumer_version=self.version)
         self.evals.record(traj, now)
-        if done is not None:
+        if done is not None and self._full_since is None:  # ERS counts delivery only while admission is open
             self._window["eval_tokens" if done.is_eval else "fresh_tokens"] += done.total_tokens
         if not self.buffer.is_pending(traj.group_id):  # completed (ready, dropped or evaluated)
             self._end_group(traj.group_id)
@@ -431,7 +431,8 @@ class RolloutService(threading.Thread):
 
     def ers_window(self, now: Optional[float] = None) -> dict[str, float]:
         """What ERS reads of rollout since the last call (then reset): tokens of training groups
-        that became ready and of evaluation trajectories, seconds the admission slots were full,
+        that became ready and of evaluation trajectories while admission was open (a group was
+        waiting for a rank: Rollout ran at capacity), seconds the admission slots were full,
         the mean KV use of the CTB ranks in service (0 without CTB), the task-seconds of the
         tasks placed on rollout ranks (`tasks_in_flight_s`), and their decode:
         `decode_iteration_s`, the mean decode iteration of the window (pooled over the ranks:

@@ -13,13 +13,16 @@ Control law. Each step the controller reads `ERSMeasurements` (quantities the re
 measures; nothing comes from a hardware model) and:
 
 1. Rates. r_t = trainer-work tokens consumed per busy trainer-rank-second; r_r = rollout work
-   delivered (fresh training groups plus evaluation trajectories, in tokens) per rollout
-   rank-second in which admission was open. Both are EWMA-smoothed across steps.
+   delivered (fresh training groups plus evaluation trajectories, in tokens) while admission was
+   open, per rollout rank-second it was open. Both are EWMA-smoothed across steps.
 2. Target. With N ranks, the split where delivery matches consumption is
    R* = N r_t / (r_t + r_r) rollout ranks.
 3. Censored delivery. While the staleness throttle keeps the admission slots full, Rollout
    delivers what it is allowed to, not what it could; counting only the time admission was
-   open corrects r_r for short throttled spells. When the slots were full for most of the step
+   open, and what was delivered then, corrects r_r for short throttled spells (while open, a
+   group waits for a rank, so Rollout runs at capacity; trajectories admitted before the slots
+   filled keep completing while they are full, and counting those against the open time alone
+   inflated r_r by up to 1 / (1 - full share)). When the slots were full for most of the step
    r_r says little (the trap of a trainer-bound run: the trainer's backlog fills the slots,
    Rollout starves into tiny decode batches, and the measured rates look balanced). How much
    decode batching slows each trajectory is what tells the cases apart. A decode iteration
@@ -164,10 +167,10 @@ class ERSMeasurements:
     """Rollout ranks during the window."""
     fresh_tokens: int
     """Trainer-work tokens of training groups that became ready (complete, within the
-    staleness bound) in the window."""
+    staleness bound) in the window while admission was open (not `slots_full_s`)."""
     eval_tokens: int
-    """Tokens (counted as for the trainer) of evaluation trajectories completed in the window:
-    rollout work that does not reach the trainer."""
+    """Tokens (counted as for the trainer) of evaluation trajectories completed in the window
+    while admission was open: rollout work that does not reach the trainer."""
     slots_full_s: float
     """Seconds of the window in which a new group waited but could not be admitted because the
     staleness throttle's slots ((bound + 1) x B trajectories of admitted, unconsumed groups)
@@ -231,7 +234,7 @@ class ERSController:
         self.trainer_rate: Optional[float] = None
         """Smoothed trainer-work tokens per busy trainer-rank-second."""
         self.rollout_rate: Optional[float] = None
-        """Smoothed delivered tokens per rollout-rank-second of open admission."""
+        """Smoothed tokens delivered while admission was open, per rollout-rank-second it was open."""
         self.step_tokens: Optional[float] = None
         """Smoothed trainer-work tokens per step."""
         self.shares: Optional[dict[str, float]] = None

@@ -262,7 +262,7 @@ class Simulator:
         group.done += 1
         if traj.is_eval:
             self.eval_trajs_done.append(traj)
-            if self.window is not None:
+            if self.window is not None and self._slots_full_since is None:
                 self.window.eval_tokens += traj.total_tokens
         else:
             self.finished_unconsumed += 1
@@ -282,7 +282,7 @@ class Simulator:
                 self.ready_trajectories += len(entered)
                 self.ready_tokens += tokens
                 self.ready_changes += 1
-                if self.window is not None:
+                if self.window is not None and self._slots_full_since is None:
                     self.window.fresh_tokens += tokens
         self.loop.notify()
         if self.mode != "sync":

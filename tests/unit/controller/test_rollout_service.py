@@ -130,9 +130,10 @@ class FakeSender:
 
 
 def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
-                 max_failed_groups=3, ranks=(1,), start=True, ctb=False):
+                 max_failed_groups=3, ranks=(1,), start=True, ctb=False, tasks_per_rank=8):
     mailbox = Mailbox(store, 0)
-    placement = CTBPlacement(JobConfig(), mailbox, list(ranks)) if ctb else RequestPlacement(mailbox, list(ranks), 8)
+    placement = (CTBPlacement(JobConfig(), mailbox, list(ranks)) if ctb
+                 else RequestPlacement(mailbox, list(ranks), tasks_per_rank))
     buffer = GlobalBuffer(BufferConfig(group_size=G, b_min=G * groups_per_step, b_ideal=G * groups_per_step,
                                        max_staleness=1))
     health = RolloutHealth([], time.monotonic(), heartbeat_timeout_s=heartbeat_timeout_s, stall_timeout_s=stall_s)
@@ -541,6 +542,27 @@ def test_the_kv_use_and_tasks_ers_reads_are_time_weighted_and_sampled_at_most_ev
     assert window["tasks_in_flight_s"] == pytest.approx(2 * 1.0 + 5 * 3.0)
     window = svc.ers_window(now=105.0)
     assert window["kv_used_fraction"] == pytest.approx(0.2) and window["tasks_in_flight_s"] == pytest.approx(3.0)
+@pytest.mark.parametrize("tasks_per_rank", [8, G])
+def test_ers_counts_delivery_only_while_admission_is_open(store, tasks_per_rank):
+    """With room for every group the window allows (8 tasks), all are admitted at once: the
+    slots stay full and the groups completing then are what the throttle allowed, not what
+    Rollout can, so ERS's window counts none of them. With room for one group at a time
+    (G tasks), the next group waits for the rank: admission is open, and what completes counts."""
+    rank = FakeRank(store, 1, delay_s=0.2)
+    rank.start()
+    svc = make_service(store, mode="tide", groups_per_step=1, tasks_per_rank=tasks_per_rank)
+    try:
+        _until("a group ready", lambda: svc.call(lambda: len(svc.buffer.ready_groups())) >= 1)
+        window = svc.call(svc.ers_window)
+        if tasks_per_rank == 8:
+            assert window["fresh_tokens"] == 0 and window["slots_full_s"] > 0
+        else:
+            assert window["fresh_tokens"] >= G * (3 + 5)  # the slots fill once the second group is on the rank
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
 def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
     """A finished turn's plugin report with the engine's cumulative decode counters."""
     return TurnEvent("g0/0", "finished", 10, report={
