@@ -217,12 +217,13 @@ class TrainerRoles:
         # logs; `ers/reason` says why, also when the split is held
         signals = {f"ers/{k}": v for k, v in plan.extras.items() if math.isfinite(v)}
         keep = self.ers.eval_trainer_ranks(expected_eval_s)
-        if self.cfg.drill_every or not (expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval) \
-                or keep >= len(plan.trainer_ranks):
-            return {**signals, "ers/reason": plan.reason, **self._carry_out(plan, step)}
-        loan = self.ers.preemptive_plan(plan, keep_trainer_ranks=keep, reason=(
-            f"evaluation expected to take {expected_eval_s:.1f} s; {keep} trainer rank(s) finish the step within it"))
-        return {**signals, "ers/reason": loan.reason, **self._carry_out(loan, step, reactive=plan)}
+        chosen, reactive = plan, None
+        if not self.cfg.drill_every and expected_eval_s > 0 and self.moves_split and self.cfg.preemptive_eval \
+                and keep < len(plan.trainer_ranks):
+            chosen, reactive = self.ers.preemptive_plan(plan, keep_trainer_ranks=keep, reason=(
+                f"evaluation expected to take {expected_eval_s:.1f} s; {keep} trainer rank(s) finish the step "
+                f"within it")), plan
+        return {**signals, "ers/reason": chosen.reason, **self._carry_out(chosen, step, reactive=reactive)}
 
     def _carry_out(self, plan: RolePlan, step: int, reactive: Optional[RolePlan] = None,
                    retain: bool = True) -> dict[str, float]:
