@@ -21,6 +21,7 @@ figures).
     python benchmarks/e2e_goodput.py --ranks 3 --steps 6 --reps 2
     python benchmarks/e2e_goodput.py --ranks 4 --modes tide --ers   # ERS on and off at every split
     python benchmarks/e2e_goodput.py --ranks 4 --modes tide --ers --env-latency off   # compute-bound
+    python benchmarks/e2e_goodput.py --ranks 4 --modes tide --ers --splits r1f1 --reps 4   # one split, more reps
     python benchmarks/e2e_goodput.py --recipe tiny_vl_cpu   # the multimodal workload (Qwen3-VL, gui_desktop)
 """
 
@@ -62,13 +63,20 @@ def splits(mode: str, ranks: int) -> list[dict[str, int]]:
     return out
 
 
-def configs(modes: list[str], ranks: int, ers: bool) -> list[dict]:
-    """Every mode at every split; with `ers`, tide also with ERS on, starting from every split
-    (ERS moves ranks between rollout and the trainer and re-plans the trainer's layout)."""
+def split_name(split: dict[str, int]) -> str:
+    return f"r{split['rollout']}f{split['ref']}"
+
+
+def configs(modes: list[str], ranks: int, ers: bool, only: frozenset[str] = frozenset()) -> list[dict]:
+    """Every mode at every split (those named in `only`, when given); with `ers`, tide also with
+    ERS on, starting from every split (ERS moves ranks between rollout and the trainer and
+    re-plans the trainer's layout)."""
     out = []
     for mode in modes:
         for split in splits(mode, ranks):
-            label = mode if len(splits(mode, ranks)) == 1 else f"{mode}[r{split['rollout']}f{split['ref']}]"
+            if only and split_name(split) not in only:
+                continue
+            label = mode if len(splits(mode, ranks)) == 1 else f"{mode}[{split_name(split)}]"
             out.append({"label": label, "mode": mode, "ers": False, **split})
             if ers and mode == "tide":
                 out.append({"label": label.replace("tide", "tide+ers", 1), "mode": mode, "ers": True, **split})
@@ -181,6 +189,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="sync,async_static,stream,tide")
     parser.add_argument("--ers", action="store_true", help="also run tide with ers.enabled=true")
+    parser.add_argument("--splits", default="",
+                        help="comma-separated splits to run, as labelled (r1f1: 1 rollout rank, 1 reference "
+                             "rank); default: every split; the ERS ratios then compare with the best of these")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     parser.add_argument("--env-latency", choices=("longtail", "off"), default="longtail",
                         help="off: the env answers at once, so rollout and training compute bound the run")
@@ -196,7 +207,12 @@ def main() -> int:
         name = "e2e_goodput_cpu.json" if args.recipe == "tiny_cpu" else f"e2e_goodput_{args.recipe.removeprefix('tiny_')}.json"
         args.out = str(REPO / "benchmarks" / "results" / name)
 
-    cfgs = configs(args.modes.split(","), args.ranks, args.ers)
+    only = frozenset(filter(None, args.splits.split(",")))
+    known = {split_name(s) for mode in args.modes.split(",") for s in splits(mode, args.ranks)}
+    if only - known:
+        parser.error(f"--splits {','.join(sorted(only - known))}: not a split of {args.ranks} ranks "
+                     f"(those are {','.join(sorted(known))})")
+    cfgs = configs(args.modes.split(","), args.ranks, args.ers, only)
     runs: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="e2e_goodput_"))
     try:
@@ -286,6 +302,7 @@ def main() -> int:
         **bench_record.header("e2e_goodput", device="cpu"),
         "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
                    "seed": args.seed, "env_latency": args.env_latency, "latency_overrides": LATENCY,
+                   "splits": sorted(only) or "all",
                    "extra_overrides": args.overrides,
                    "recipe": args.recipe},
         "summary": summary,

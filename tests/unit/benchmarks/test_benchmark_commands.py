@@ -83,6 +83,17 @@ def test_e2e_goodput_runs_tide_with_ers_on_and_off_at_every_split(launched, monk
     assert data["config"]["env_latency"] == "off" and data["ratios"] == {}
 
 
+def test_e2e_goodput_runs_only_the_splits_named(launched, monkeypatch, tmp_path):
+    out = tmp_path / "e2e.json"
+    assert run_script("e2e_goodput", monkeypatch, "--ranks", "4", "--modes", "tide", "--ers", "--splits", "r1f1,r3f0",
+                      "--reps", "1", "--out", str(out)) == 1
+    assert [(j.cluster.rollout_ranks, j.cluster.ref_ranks, j.ers.enabled) for _, j in launched] == [
+        (1, 1, False), (1, 1, True), (3, 0, False), (3, 0, True)]
+    assert record(out, 4)["config"]["splits"] == ["r1f1", "r3f0"]
+    with pytest.raises(SystemExit):  # r3f1 leaves no actor rank of 4
+        run_script("e2e_goodput", monkeypatch, "--ranks", "4", "--modes", "tide", "--splits", "r3f1")
+
+
 def test_e2e_goodput_keeps_the_long_tailed_env_latency_by_default(launched, monkeypatch, tmp_path):
     assert run_script("e2e_goodput", monkeypatch, "--ranks", "2", "--modes", "sync", "--reps", "1",
                       "--out", str(tmp_path / "e2e.json")) == 1
