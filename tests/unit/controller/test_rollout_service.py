@@ -542,6 +542,8 @@ def test_the_kv_use_and_tasks_ers_reads_are_time_weighted_and_sampled_at_most_ev
     assert window["tasks_in_flight_s"] == pytest.approx(2 * 1.0 + 5 * 3.0)
     window = svc.ers_window(now=105.0)
     assert window["kv_used_fraction"] == pytest.approx(0.2) and window["tasks_in_flight_s"] == pytest.approx(3.0)
+
+
 @pytest.mark.parametrize("tasks_per_rank", [8, G])
 def test_ers_counts_delivery_only_while_admission_is_open(store, tasks_per_rank):
     """With room for every group the window allows (8 tasks), all are admitted at once: the
