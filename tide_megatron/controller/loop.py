@@ -260,7 +260,8 @@ class Controller:
             kv_used_fraction=window["kv_used_fraction"], ras_tokens=est.ras_tokens,
             arrival_tokens_per_s=est.arrival_tokens_per_s, decode_iteration_s=window["decode_iteration_s"],
             decode_floor_s=window["decode_floor_s"], mean_decode_batch=window["mean_decode_batch"],
-            decode_seq_s=window["decode_seq_s"], tasks_in_flight_s=window["tasks_in_flight_s"])
+            decode_seq_s=window["decode_seq_s"], tasks_in_flight_s=window["tasks_in_flight_s"],
+            rollout_resized=self.roles.rollout_resized)
 
     def _tprm_estimate(self) -> Optional[float]:
         est = self.rollout.buffer.estimate()

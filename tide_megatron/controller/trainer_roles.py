@@ -112,6 +112,9 @@ class TrainerRoles:
         self.changes = 0
         self.moves = 0
         self._cold_start_loan = False  # lent at cold start, and not yet back
+        self.rollout_resized = False
+        """The rollout ranks changed since the last plan, with work in flight: ERS's window then
+        mixes two splits and does not measure the rollout rate (`ERSMeasurements.rollout_resized`)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -182,6 +185,7 @@ class TrainerRoles:
                                         reason="cold start")
         out = self._carry_out(loan, step=0, reactive=self.plan)
         self._cold_start_loan = self.ranks != self.plan.trainer_ranks  # lent (the move may not have run)
+        self.rollout_resized = False  # nothing was in flight: every rank starts empty
         return out
 
     def end_cold_start(self, step: int, timeout_s: float) -> dict[str, float]:
@@ -213,6 +217,7 @@ class TrainerRoles:
         self._cold_start_loan = False  # a loan still in force ends at this boundary
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
+        self.rollout_resized = False  # read into `m`; the next window starts with this plan's moves
         # what ERS read and concluded (rates, shares, decode slowdown, target split), for the
         # logs; `ers/reason` says why, also when the split is held
         signals = {f"ers/{k}": v for k, v in plan.extras.items() if math.isfinite(v)}
@@ -266,6 +271,7 @@ class TrainerRoles:
         self.plan = goes_on
         self.changes += 1
         self.moves += len(joining) + len(leaving)
+        self.rollout_resized = self.rollout_resized or bool(joining or leaving)
         logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",
                     step, new.dp_size, list(new.ref_ranks) or "none (actors hold it)",
                     [r for r in range(self.world) if r not in after], plan.reason, critical)

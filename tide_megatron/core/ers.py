@@ -14,7 +14,12 @@ measures; nothing comes from a hardware model) and:
 
 1. Rates. r_t = trainer-work tokens consumed per busy trainer-rank-second; r_r = rollout work
    delivered (fresh training groups plus evaluation trajectories, in tokens) while admission was
-   open, per rollout rank-second it was open. Both are EWMA-smoothed across steps.
+   open, per rollout rank-second it was open. Both are EWMA-smoothed across steps. A window that
+   opened as the rollout ranks changed (a move, a loan's start or end) does not update r_r:
+   delivery lags the work by a trajectory's latency, so such a window counts work of the old
+   split against the new one's ranks. After a shrink, groups rolled out mostly on the ranks that
+   left (and the tasks they handed over) complete on the ones that stay, inflating r_r (up to
+   3x after the cold-start loan on the CPU stack); after a growth, the joining rank starts empty.
 2. Target. With N ranks, the split where delivery matches consumption is
    R* = N r_t / (r_t + r_r) rollout ranks.
 3. Censored delivery. While the staleness throttle keeps the admission slots full, Rollout
@@ -193,6 +198,9 @@ class ERSMeasurements:
     tasks_in_flight_s: float = 0.0
     """Task-seconds on the rollout ranks: the time-integral of the tasks placed there, whether
     decoding, queued, paused or waiting on their env (0: not measured)."""
+    rollout_resized: bool = False
+    """The rollout ranks changed as the window opened (a move, a loan's start or end, with work
+    in flight): its delivery mixes the two splits, so it does not measure the rollout rate."""
 
     @property
     def decode_slowdown(self) -> float:
@@ -311,7 +319,7 @@ class ERSController:
         if m.trainer_busy_s > 0 and m.trainer_ranks > 0 and m.trained_tokens > 0:
             self.trainer_rate = ewma(self.trainer_rate, m.trained_tokens / (m.trainer_busy_s * m.trainer_ranks))
             self.step_tokens = ewma(self.step_tokens, float(m.trained_tokens))
-        if m.rollout_ranks > 0 and m.slots_full_s < self.config.slots_full_fraction * m.window_s:
+        if m.rollout_ranks > 0 and not m.rollout_resized and m.slots_full_s < self.config.slots_full_fraction * m.window_s:
             open_s = m.window_s - m.slots_full_s
             self.rollout_rate = ewma(self.rollout_rate, (m.fresh_tokens + m.eval_tokens) / (open_s * m.rollout_ranks))
         new = {"full_share": min(1.0, m.slots_full_s / m.window_s),

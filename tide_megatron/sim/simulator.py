@@ -82,6 +82,8 @@ class Window:
     fresh_tokens: int = 0
     eval_tokens: int = 0
     slots_full_s: float = 0.0
+    rollout_resized: bool = False
+    """The rollout ranks changed as the window opened (`ERSMeasurements.rollout_resized`)."""
 
 
 class Simulator:
@@ -494,11 +496,12 @@ class Simulator:
             return
         load = self.hw.swap_s(0, self.hw.actor_state_bytes_per_gpu(len(self.base_plan.actor_ranks)))
         self.apply_plan(self.base_plan, 0.0)
-        self.open_window()
+        self.open_window(rollout_resized=True)
         yield load
 
-    def open_window(self) -> None:
-        self.window = Window(self.loop.now, self.trainer_ranks, len(self.cluster.active), self._rollout_totals())
+    def open_window(self, rollout_resized: bool = False) -> None:
+        self.window = Window(self.loop.now, self.trainer_ranks, len(self.cluster.active), self._rollout_totals(),
+                             rollout_resized=rollout_resized)
         self._slots_changed()
 
     def _rollout_totals(self) -> tuple:
@@ -518,7 +521,8 @@ class Simulator:
             kv_used_fraction=kv / (span * max(1, w.rollout_ranks) * self.kv_budget),
             ras_tokens=est.ras_tokens, arrival_tokens_per_s=est.arrival_tokens_per_s,
             decode_iteration_s=dec / iters if iters > 0 else 0.0, decode_floor_s=self.hw.decode_base_s(1),
-            mean_decode_batch=seq / dec if dec > 0 else 0.0, decode_seq_s=seq, tasks_in_flight_s=live)
+            mean_decode_batch=seq / dec if dec > 0 else 0.0, decode_seq_s=seq, tasks_in_flight_s=live,
+            rollout_resized=w.rollout_resized)
 
     def _ers_boundary(self, step: int, eval_next: bool) -> float:
         """Plan after the actor update; roles switch with the weight sync. Returns the stall."""
@@ -538,6 +542,7 @@ class Simulator:
                                      plan.extras.get("target_rollout_ranks", float("nan")),
                                      len(plan.rollout_ranks), plan.mode.value, plan.reason))
         stall = 0.0
+        resized = plan.rollout_ranks != self.plan.rollout_ranks
         if any(plan.roles[r] is not self.plan.roles[r] for r in plan.roles) or plan.mode is not self.plan.mode:
             before = len(self.plan.rollout_ranks)
             joining = [r for r in plan.trainer_ranks if self.plan.roles[r] is Role.ROLLOUT]
@@ -552,7 +557,7 @@ class Simulator:
             self.apply_plan(plan, self.sync_s)
             self.metrics.role_changes += 1
         self.plan = plan
-        self.open_window()
+        self.open_window(rollout_resized=resized)
         return stall
 
     # =============================================================================== run

@@ -168,9 +168,11 @@ def test_the_split_drill_moves_the_next_rank_in_and_back_draining_it_first():
     assert events == [("move_to_trainer", 1), ("roles", 1)]
     assert worker.assignment == TrainerAssignment(layout, 2, (), actors_hold_ref=True)
     assert first["ers/moves"] == 1 and first["ers/trainer_ranks"] == 2
+    assert roles.rollout_resized  # the next window opens on a smaller rollout: not a rollout rate
     events.clear()
     roles.after_update(2, window(), times)
     assert events == [("roles", 1)] and worker.assignment == TrainerAssignment(layout, 1, (1,), actors_hold_ref=False)
+    assert not roles.rollout_resized  # a change of layout alone leaves rollout as it was
     events.clear()
     third = roles.after_update(3, window(), times)
     assert events == [("roles", 1), ("return_to_rollout", 1)]
@@ -281,15 +283,18 @@ def test_the_cold_start_loan_ends_when_the_first_step_has_its_data():
     with pytest.raises(AssertionError, match=r"would wait for lent rank\(s\) \[1, 2\] to load the first weights"):
         roles.end_cold_start(1, timeout_s=5.0)
     roles.cold_start()  # (the failed attempt above ended that loan's bookkeeping)
+    assert not roles.rollout_resized  # lent before anything was in flight
     rollout.loading = set()
     events.clear()
     ended = roles.end_cold_start(1, timeout_s=5.0)
     assert events == [("move_to_trainer", 1, "no retention"), ("move_to_trainer", 2, "no retention")]
     assert worker.assignment.actor_ranks == (0, 1, 2) and ended["ers/cold_start_end_s"] >= 0
+    # their groups complete on rank 3 in the window that opens now: ERS does not read it as rank 3's rate
+    assert roles.rollout_resized
     assert roles.end_cold_start(2, timeout_s=5.0) == {}  # over: nothing moves again
     events.clear()
     roles.after_update(1, window(), MicroBatchTimes(0.05, 0.05, 0.1))  # rates unmeasured: the split holds
-    assert events == [] and worker.assignment.actor_ranks == (0, 1, 2)
+    assert events == [] and worker.assignment.actor_ranks == (0, 1, 2) and not roles.rollout_resized
 
 
 def test_no_cold_start_loan_with_a_drill_or_when_turned_off():

@@ -29,12 +29,13 @@ def plan_of(roles, mode=RA2PMode.COLOCATED):
 
 
 def measure(*, trainer, rollout, trained=10_000, busy=10.0, starved=0.0, fresh=10_000, eval_tokens=0,
-            slots_full=0.0, kv=0.2, window=10.0, ras=0.0, rate=0.0, slowdown=1.0, decode_seq=0.0, tasks=0.0):
+            slots_full=0.0, kv=0.2, window=10.0, ras=0.0, rate=0.0, slowdown=1.0, decode_seq=0.0, tasks=0.0,
+            rollout_resized=False):
     return ERSMeasurements(window_s=window, trainer_ranks=trainer, trainer_busy_s=busy, trainer_starved_s=starved,
                            trained_tokens=trained, rollout_ranks=rollout, fresh_tokens=fresh, eval_tokens=eval_tokens,
                            slots_full_s=slots_full, kv_used_fraction=kv, ras_tokens=ras, arrival_tokens_per_s=rate,
                            decode_iteration_s=0.01 * slowdown, decode_floor_s=0.01, decode_seq_s=decode_seq,
-                           tasks_in_flight_s=tasks)
+                           tasks_in_flight_s=tasks, rollout_resized=rollout_resized)
 
 
 def controller(world, **kw):
@@ -58,6 +59,23 @@ def test_rate_balance_moves_one_rank_toward_the_target():
     assert nxt.changed and len(nxt.rollout_ranks) == 3  # one rank per step
     assert nxt.extras["target_rollout_ranks"] == pytest.approx(2.0)
     assert nxt.ranks_leaving_rollout(cur) == [7]  # least loaded (all 0) -> highest id
+
+
+def test_a_window_opened_by_a_rollout_resize_does_not_measure_the_rollout_rate():
+    """After the cold-start loan's 3 rollout ranks shrink to 1, the groups they rolled out
+    complete on the one left: 30k tokens in the window would read as 3000 tok/rank-s and put
+    R* = 8 * 250 / 3250 = 0.6. The window is not read for r_r (the trainer's rate still is),
+    so ERS holds the split until a clean window measures it."""
+    ers = controller(8)
+    cur = plan_of([AR] * 7 + [R])
+    after_loan = ers.plan(cur, measure(trainer=7, rollout=1, trained=17_500, fresh=30_000, eval_tokens=1_000,
+                                       rollout_resized=True), TIMES, step=1)
+    assert ers.rollout_rate is None and ers.trainer_rate == pytest.approx(250.0)
+    assert not after_loan.changed and after_loan.reason == "rates not measured yet"
+    clean = ers.plan(cur, measure(trainer=7, rollout=1, trained=17_500, fresh=10_000), TIMES, step=2)
+    assert ers.rollout_rate == pytest.approx(1000.0) and clean.extras["target_rollout_ranks"] == pytest.approx(1.6)
+    ers.plan(cur, measure(trainer=7, rollout=1, fresh=90_000, rollout_resized=True), TIMES, step=3)
+    assert ers.rollout_rate == pytest.approx(1000.0)  # a measured rate is kept as it was, too
 
 
 @given(st.integers(3, 12), st.lists(st.sampled_from(["up", "down"]), min_size=1, max_size=12))

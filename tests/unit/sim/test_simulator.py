@@ -120,6 +120,28 @@ def test_ers_reads_the_task_time_that_holds_the_decode_it_reads(small_config):
         assert m.trajectory_slowdown <= m.decode_slowdown
 
 
+def test_windows_opened_by_a_rollout_resize_are_marked(small_config):
+    """ERS reads no rollout rate from a window that opened as the rollout ranks changed (core's
+    `ERSMeasurements.rollout_resized`): the first, opened by the cold-start loan's end, and each
+    one whose rollout ranks differ from the previous window's (an evaluation loan, a move)."""
+    sim = Simulator(small_config("mode=tide", "steps=8"))
+    seen = []  # (marked resized, the rollout ranks during the window)
+    measure = sim._measurements
+
+    def record():
+        m = measure()
+        seen.append((m.rollout_resized, tuple(sorted(sim.cluster.active))))
+        return m
+
+    sim._measurements = record
+    m = sim.run()
+    assert m.roles[0][1] > len(seen[0][1]) and seen[0][0]  # lent ranks came back as it opened
+    for (resized, ranks), (_, before) in zip(seen[1:], seen):
+        assert resized == (ranks != before)
+    assert any(resized for resized, _ in seen[1:])  # the evaluation loans
+    assert not all(resized for resized, _ in seen[1:])
+
+
 @pytest.mark.parametrize("share,shrinks", [(0.875, True), (0.125, False)])
 def test_steps_shrink_toward_b_min_only_after_a_rollout_scale_down(small_config, share, shrinks):
     """Adaptive data retention as on the real stack: a step's size is fixed when it opens
