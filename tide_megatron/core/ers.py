@@ -319,7 +319,8 @@ class ERSController:
         if m.trainer_busy_s > 0 and m.trainer_ranks > 0 and m.trained_tokens > 0:
             self.trainer_rate = ewma(self.trainer_rate, m.trained_tokens / (m.trainer_busy_s * m.trainer_ranks))
             self.step_tokens = ewma(self.step_tokens, float(m.trained_tokens))
-        if m.rollout_ranks > 0 and not m.rollout_resized and m.slots_full_s < self.config.slots_full_fraction * m.window_s:
+        measured = m.slots_full_s < self.config.slots_full_fraction * m.window_s and not m.rollout_resized
+        if m.rollout_ranks > 0 and measured:
             open_s = m.window_s - m.slots_full_s
             self.rollout_rate = ewma(self.rollout_rate, (m.fresh_tokens + m.eval_tokens) / (open_s * m.rollout_ranks))
         new = {"full_share": min(1.0, m.slots_full_s / m.window_s),
