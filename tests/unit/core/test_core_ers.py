@@ -63,8 +63,8 @@ def test_rate_balance_moves_one_rank_toward_the_target():
 
 def test_a_window_opened_by_a_rollout_resize_does_not_measure_the_rollout_rate():
     """After the cold-start loan's 3 rollout ranks shrink to 1, the groups they rolled out
-    complete on the one left: 30k tokens in the window would read as 3000 tok/rank-s and put
-    R* = 8 * 250 / 3250 = 0.6. The window is not read for r_r (the trainer's rate still is),
+    complete on the one left: 31k tokens in the window would read as 3100 tok/rank-s and put
+    R* = 8 * 250 / 3350 = 0.6. The window is not read for r_r (the trainer's rate still is),
     so ERS holds the split until a clean window measures it."""
     ers = controller(8)
     cur = plan_of([AR] * 7 + [R])
