@@ -14,12 +14,18 @@ measures; nothing comes from a hardware model) and:
 
 1. Rates. r_t = trainer-work tokens consumed per busy trainer-rank-second; r_r = rollout work
    delivered (fresh training groups plus evaluation trajectories, in tokens) while admission was
-   open, per rollout rank-second it was open. Both are EWMA-smoothed across steps. A window that
-   opened as the rollout ranks changed (a move, a loan's start or end) does not update r_r:
-   delivery lags the work by a trajectory's latency, so such a window counts work of the old
-   split against the new one's ranks. After a shrink, groups rolled out mostly on the ranks that
-   left (and the tasks they handed over) complete on the ones that stay, inflating r_r (up to
-   3x after the cold-start loan on the CPU stack); after a growth, the joining rank starts empty.
+   open, per rollout rank-second it was open. Both are EWMA-smoothed across steps, as are the
+   window's shares (item 3).
+   A window that opened as the rollout ranks changed (a move, a loan's start or end) measures
+   the trainer's rate only, and the split is held after it. Delivery lags the work by a
+   trajectory's latency, so such a window counts work of the old split against the new one's
+   ranks: after a shrink, groups rolled out mostly on the ranks that left (and the tasks they
+   handed over) complete on the ones that stay, inflating r_r (up to 3x after the cold-start
+   loan on the CPU stack); after a growth, the joining rank starts empty. Its shares mix the
+   two splits as well: the admission slots that filled while the cold-start loan's extra ranks
+   rolled out stay full while the trainer works off their backlog, which reads as a rollout
+   with ranks to spare. Deciding on the shares measured before the change instead would act
+   twice on evidence a plan has already acted on.
 2. Target. With N ranks, the split where delivery matches consumption is
    R* = N r_t / (r_t + r_r) rollout ranks.
 3. Censored delivery. While the staleness throttle keeps the admission slots full, Rollout
@@ -200,7 +206,7 @@ class ERSMeasurements:
     decoding, queued, paused or waiting on their env (0: not measured)."""
     rollout_resized: bool = False
     """The rollout ranks changed as the window opened (a move, a loan's start or end, with work
-    in flight): its delivery mixes the two splits, so it does not measure the rollout rate."""
+    in flight): its delivery and shares mix the two splits, so only the trainer's rate is read."""
 
     @property
     def decode_slowdown(self) -> float:
@@ -272,7 +278,11 @@ class ERSController:
             return self._keep(current, step, "ERS disabled")
         self._observe(m)
         r_now = len(current.rollout_ranks)
-        n_roll, target, why = self._decide(r_now)
+        if m.rollout_resized:
+            n_roll, target, why = r_now, None, ("split held: the rollout ranks changed as the window opened, so it "
+                                                "measured the trainer's rate only")
+        else:
+            n_roll, target, why = self._decide(r_now)
         cooling = self.last_move_step is not None and step - self.last_move_step <= self.config.cooldown_steps
         if n_roll != r_now and cooling:
             n_roll, why = r_now, f"cooldown after the move at step {self.last_move_step} ({why})"
@@ -282,7 +292,7 @@ class ERSController:
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
                   "trainer_rate": self.trainer_rate or 0.0, "rollout_rate": self.rollout_rate or 0.0,
-                  **self.shares, "mean_decode_batch": m.mean_decode_batch,
+                  **(self.shares or {}), "mean_decode_batch": m.mean_decode_batch,
                   "latency_colocated_s": layout.latency_colocated_s,
                   "latency_decoupled_s": layout.latency_decoupled_s,
                   "round_micro_batches": float(layout.round_micro_batches)}
@@ -319,8 +329,9 @@ class ERSController:
         if m.trainer_busy_s > 0 and m.trainer_ranks > 0 and m.trained_tokens > 0:
             self.trainer_rate = ewma(self.trainer_rate, m.trained_tokens / (m.trainer_busy_s * m.trainer_ranks))
             self.step_tokens = ewma(self.step_tokens, float(m.trained_tokens))
-        measured = m.slots_full_s < self.config.slots_full_fraction * m.window_s and not m.rollout_resized
-        if m.rollout_ranks > 0 and measured:
+        if m.rollout_resized:  # the rollout side mixes two splits (module docstring, 1)
+            return
+        if m.rollout_ranks > 0 and m.slots_full_s < self.config.slots_full_fraction * m.window_s:
             open_s = m.window_s - m.slots_full_s
             self.rollout_rate = ewma(self.rollout_rate, (m.fresh_tokens + m.eval_tokens) / (open_s * m.rollout_ranks))
         new = {"full_share": min(1.0, m.slots_full_s / m.window_s),

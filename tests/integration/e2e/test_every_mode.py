@@ -167,8 +167,10 @@ def test_ers_lends_trainer_ranks_to_rollout_at_cold_start(tmp_path):
     assert rows[0]["trainer/dp_size"] == 3 and rows[0]["ers/cold_start_end_s"] > 0  # the loan ended first
     assert rows[0]["ers/moves"] >= 4  # two out, two back
     # Step 1's window opened as they came back: their groups complete on rank 3 in it, so ERS
-    # reads no rollout rate from it (it would read rank 3 at up to three times its own).
+    # reads no rollout rate from it (it would read rank 3 at up to three times its own), nor
+    # the slots they filled, and holds the split.
     assert rows[0]["ers/rollout_rate"] == 0.0 and rows[0]["ers/trainer_rate"] > 0
+    assert rows[0]["ers/reason"].startswith("split held: the rollout ranks changed")
     assert rows[-1]["rollout/moves_in"] >= 2 and rows[-1]["rollout/quarantines"] == 0  # ranks 1-2 loaded v0
     # ERS read the decode the engines measured (SGLang's scheduler -> turn report -> rank 0).
     # Step 1's window opens when the loan ends (as the simulator's): on this recipe it lasts

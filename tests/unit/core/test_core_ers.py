@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -61,21 +62,29 @@ def test_rate_balance_moves_one_rank_toward_the_target():
     assert nxt.ranks_leaving_rollout(cur) == [7]  # least loaded (all 0) -> highest id
 
 
-def test_a_window_opened_by_a_rollout_resize_does_not_measure_the_rollout_rate():
+def test_a_window_opened_by_a_rollout_resize_measures_the_trainer_only_and_holds_the_split():
     """After the cold-start loan's 3 rollout ranks shrink to 1, the groups they rolled out
     complete on the one left: 31k tokens in the window would read as 3100 tok/rank-s and put
-    R* = 8 * 250 / 3350 = 0.6. The window is not read for r_r (the trainer's rate still is),
-    so ERS holds the split until a clean window measures it."""
-    ers = controller(8)
-    cur = plan_of([AR] * 7 + [R])
-    after_loan = ers.plan(cur, measure(trainer=7, rollout=1, trained=17_500, fresh=30_000, eval_tokens=1_000,
-                                       rollout_resized=True), TIMES, step=1)
-    assert ers.rollout_rate is None and ers.trainer_rate == pytest.approx(250.0)
-    assert not after_loan.changed and after_loan.reason == "rates not measured yet"
-    clean = ers.plan(cur, measure(trainer=7, rollout=1, trained=17_500, fresh=10_000), TIMES, step=2)
-    assert ers.rollout_rate == pytest.approx(1000.0) and clean.extras["target_rollout_ranks"] == pytest.approx(1.6)
-    ers.plan(cur, measure(trainer=7, rollout=1, fresh=90_000, rollout_resized=True), TIMES, step=3)
-    assert ers.rollout_rate == pytest.approx(1000.0)  # a measured rate is kept as it was, too
+    R* = 8 * 250 / 3350 = 0.6; the admission slots the loan filled stay full (10 s of 10) while
+    the trainer works off its backlog unstarved, which the window-full rule reads as a rollout
+    with a rank to spare. The window is read for the trainer's rate only, and the split held."""
+    ers = controller(8, cooldown_steps=0)
+    cur = plan_of([AR] * 6 + [R] * 2)
+    after_loan = measure(trainer=6, rollout=2, trained=15_000, fresh=30_000, eval_tokens=1_000, slots_full=10.0)
+    assert len(controller(8).plan(cur, after_loan, TIMES, step=1).rollout_ranks) == 1  # as a clean window
+    held = ers.plan(cur, dataclasses.replace(after_loan, rollout_resized=True), TIMES, step=1)
+    assert not held.changed and held.reason.startswith("split held: the rollout ranks changed")
+    assert ers.trainer_rate == pytest.approx(250.0) and ers.rollout_rate is None and ers.shares is None
+    # a clean window measures the rest: r_r = 10k / (2 x 10 s) = 500 -> R* = 8 * 250 / 750 = 2.7
+    clean = ers.plan(cur, measure(trainer=6, rollout=2, trained=15_000, fresh=10_000), TIMES, step=2)
+    assert ers.rollout_rate == pytest.approx(500.0) and clean.extras["target_rollout_ranks"] == pytest.approx(2.67, abs=0.01)
+    assert len(clean.rollout_ranks) == 3
+    # the window after that move: what it reads of rollout is not kept, and no second move
+    # follows on the evidence the first one acted on (no cooldown here to hold it)
+    shares = dict(ers.shares)
+    after_move = ers.plan(clean, measure(trainer=5, rollout=3, trained=12_500, fresh=90_000, slots_full=10.0,
+                                         rollout_resized=True), TIMES, step=3)
+    assert not after_move.changed and ers.rollout_rate == pytest.approx(500.0) and ers.shares == shares
 
 
 @given(st.integers(3, 12), st.lists(st.sampled_from(["up", "down"]), min_size=1, max_size=12))
