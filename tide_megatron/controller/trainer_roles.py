@@ -114,7 +114,8 @@ class TrainerRoles:
         self._cold_start_loan = False  # lent at cold start, and not yet back
         self.rollout_resized = False
         """The rollout ranks changed since the last plan, with work in flight: ERS's window then
-        mixes two splits and does not measure the rollout rate (`ERSMeasurements.rollout_resized`)."""
+        mixes two splits: ERS reads the trainer's rate only and holds the split
+        (`ERSMeasurements.rollout_resized`)."""
 
     @property
     def ranks(self) -> list[int]:
