@@ -63,11 +63,11 @@ def test_rate_balance_moves_one_rank_toward_the_target():
 
 
 def test_a_window_opened_by_a_rollout_resize_measures_the_trainer_only_and_holds_the_split():
-    """After the cold-start loan's 3 rollout ranks shrink to 1, the groups they rolled out
-    complete on the one left: 31k tokens in the window would read as 3100 tok/rank-s and put
-    R* = 8 * 250 / 3350 = 0.6; the admission slots the loan filled stay full (10 s of 10) while
-    the trainer works off its backlog unstarved, which the window-full rule reads as a rollout
-    with a rank to spare. The window is read for the trainer's rate only, and the split held."""
+    """After the cold-start loan ends, the groups its lent ranks rolled out complete on the two
+    rollout ranks left (31k tokens), and the admission slots they filled stay full (10 s of 10)
+    while the trainer works off its backlog unstarved: the window-full rule reads that as a
+    rollout with a rank to spare and, as from a clean window, would move 2 -> 1. The window is
+    read for the trainer's rate only, and the split held."""
     ers = controller(8, cooldown_steps=0)
     cur = plan_of([AR] * 6 + [R] * 2)
     after_loan = measure(trainer=6, rollout=2, trained=15_000, fresh=30_000, eval_tokens=1_000, slots_full=10.0)
