@@ -13,7 +13,9 @@ mode, with a long-tailed env latency on (rare slow steps, slow tasks, injected r
 
 Per run: run goodput (consumed generated tokens / wall time from the first dispatch to the end,
 the final checkpoint included), mean step goodput, RWT + TWT, wasted-token share (dropped as
-stale, cancelled, failed or lost over generated), prefix-cache hit rate, reward by step.
+stale, cancelled, failed or lost over generated), prefix-cache hit rate, reward by step, and
+the share of the host's core time that was busy while it trained (`cpu_busy.py`: every rank
+shares these cores, so a split can only gain where cores sit idle).
 Prints a table and writes benchmarks/results/e2e_goodput_cpu.json (command, machine, date,
 figures).
 
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 import bench_record
+from cpu_busy import CpuBusySampler
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,8 +96,9 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
     started = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with CpuBusySampler() as cpu:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
     wall = time.time() - started
     if proc.returncode != 0:
         return {"label": cfg["label"], "failed": True, "wall_s": wall, "error": proc.stderr[-1500:]}
@@ -136,7 +140,22 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
         "role_change_s": sum(r.get("ers/role_change_s", 0.0) for r in rows),
         "role_change_drain_s": sum(r.get("ers/role_change_drain_s", 0.0) for r in rows),
         "process_wall_s": round(wall, 1),
+        # the share of the host's core time that was busy while the job trained (first dispatch
+        # to the last step's end), and over the whole process (start-up and exit included)
+        "cpu_busy_share": cpu.busy_share(*training_window(out_dir)),
+        "cpu_busy_share_process": cpu.busy_share(),
     }
+
+
+def training_window(run_dir: Path) -> tuple[float, float]:
+    """Unix times of the run's first dispatch and its last step's end, from timeline.json
+    (the whole run when a mode writes none)."""
+    path = run_dir / "timeline.json"
+    if not path.is_file():
+        return float("-inf"), float("inf")
+    timeline = json.loads(path.read_text())
+    origin = timeline["origin_unix"]
+    return origin, origin + timeline["steps"][-1]["end"]
 
 
 def alternate(variants: list[tuple[str, list[str]]], cfg: dict, args, tmp: Path, describe) -> list[dict]:
@@ -242,6 +261,8 @@ def main() -> int:
         summary[label] = {k: statistics.fmean(r[k] for r in mine) for k in
                           ("run_goodput_tok_s", "mean_step_goodput_tok_s", "rwt_plus_twt_s", "wasted_share",
                            "prefix_cache_hit_rate", "rank_moves", "role_changes")}
+        busy = [r["cpu_busy_share"] for r in mine if r["cpu_busy_share"] is not None]
+        summary[label]["cpu_busy_share"] = round(statistics.fmean(busy), 3) if busy else None
         summary[label]["runs"] = len(mine)
         summary[label]["failed_runs"] = len([r for r in runs if r["label"] == label]) - len(mine)
     # Ratios within each repetition (same machine load), then their geometric mean.
@@ -286,7 +307,8 @@ def main() -> int:
             ratios["ers_vs_best_static_tide_goodput"] = ratio_record(gain, goal=1.0, met=geomean(gain) >= 1.0)
             ratios["ers_vs_best_static_tide_rwt_twt"] = ratio_record(waits, goal="<= 0.3", met=geomean(waits) <= 0.3)
 
-    print(f"\n{'config':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}{'wasted':>8}{'hit':>7}{'moves':>7}")
+    print(f"\n{'config':<22}{'run tok/s':>10}{'step tok/s':>11}{'RWT+TWT s':>10}{'wasted':>8}{'hit':>7}{'moves':>7}"
+          f"{'cpu busy':>9}")
     for label in labels:
         s = summary[label]
         if "run_goodput_tok_s" not in s:
@@ -294,7 +316,7 @@ def main() -> int:
             continue
         print(f"{label:<22}{s['run_goodput_tok_s']:>10.1f}{s['mean_step_goodput_tok_s']:>11.1f}"
               f"{s['rwt_plus_twt_s']:>10.1f}{s['wasted_share']:>8.3f}{s['prefix_cache_hit_rate']:>7.3f}"
-              f"{s['rank_moves']:>7.1f}")
+              f"{s['rank_moves']:>7.1f}{'-' if s['cpu_busy_share'] is None else format(s['cpu_busy_share'], '.3f'):>9}")
     for name, r in ratios.items():
         print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}; goal {r['goal']}x)")
 
