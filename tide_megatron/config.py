@@ -138,6 +138,10 @@ class ClusterConfig:
     rollout_ranks: int = 1
     """Ranks that start as rollout (the last ones); the others train. Rank 0 always
     trains and runs the controller."""
+    rollout_share: float = 0.0
+    """When > 0, overrides `rollout_ranks`: this share of the world starts as rollout, rounded
+    to the nearest count of whole engines that leaves the trainer whole TP x PP units (the rank
+    plan, `core/rank_plan.py`), so one recipe fits 8 GPUs and 32. `--dry-run` shows the count."""
     ref_ranks: int = 0
     """Dedicated reference ranks for decoupled RA2P (`scheduler.mode=tide`), placed right
     after the actor ranks. 0: the reference always runs colocated with the actor."""

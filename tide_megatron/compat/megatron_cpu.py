@@ -245,6 +245,9 @@ def install_megatron_cpu_shims() -> bool:
             if not hasattr(torch.cuda, name):
                 raise RuntimeError(f"torch.cuda.{name} no longer exists; update megatron_cpu shims")
             setattr(torch.cuda, name, replacement)
+        # Activation recompute (`trainer.recompute`) saves the CUDA RNG state through
+        # `torch.cuda.random.get_rng_state`, the submodule's own binding of the same function.
+        torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
         mode = CudaToCpuMode()
         mode.__enter__()  # stays on this thread's mode stack for the life of the process
         _installed_mode = mode

@@ -89,7 +89,7 @@ def spawned_rank(rank: int, world: int, port: int, threads: int = 1) -> Iterator
         destroy_parallel()
 
 
-def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False):
+def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False, recompute: str = "none"):
     """The Megatron `TransformerConfig` equivalent of a Qwen2 `ModelConfig`.
 
     fp32 by default (exact agreement with HF on CPU); dropout 0 (the RL default, and it keeps
@@ -112,15 +112,26 @@ def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = Fals
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
-        **unfused_config_kwargs(tp, bf16),
+        **unfused_config_kwargs(tp, bf16, recompute),
     )
 
 
-def unfused_config_kwargs(tp: int, bf16: bool) -> dict:
+def unfused_config_kwargs(tp: int, bf16: bool, recompute: str = "none") -> dict:
     """The `TransformerConfig` fields every model of the trainer shares: no dropout, no fusion,
-    CPU initialisation, TP without sequence parallelism, fp32 (or bf16) params."""
+    CPU initialisation, TP without sequence parallelism, fp32 (or bf16) params, and the
+    activation recompute of `trainer.recompute` ("selective": core attention, whose O(L^2)
+    scores dominate long rows; "full": every layer from its input, one layer per unit)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
+    if recompute == "selective":
+        recompute_kwargs = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute == "full":
+        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "none":
+        recompute_kwargs = {}
+    else:
+        raise ValueError(f"trainer.recompute={recompute!r}: expected none, selective or full")
     return dict(
+        **recompute_kwargs,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -140,7 +151,7 @@ def unfused_config_kwargs(tp: int, bf16: bool) -> dict:
     )
 
 
-def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False):
+def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False, recompute: str = "none"):
     """A Megatron-core `GPTModel` (local spec, RoPE, Qwen2 layout) on the current device.
 
     `groups`: the Megatron `ProcessGroupCollection` it runs on (its TP group sets the TP size);
@@ -156,7 +167,7 @@ def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False):
         from tide_megatron.comm.groups import registry
 
         groups = registry().model_groups()
-    config = megatron_transformer_config(cfg, tp=groups.tp.size(), bf16=bf16)
+    config = megatron_transformer_config(cfg, tp=groups.tp.size(), bf16=bf16, recompute=recompute)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),

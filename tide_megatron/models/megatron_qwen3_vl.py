@@ -55,7 +55,7 @@ def _interleaved_mrope_class():
     return InterleavedMRoPE
 
 
-def language_transformer_config(cfg: VLModelConfig, tp: int, bf16: bool):
+def language_transformer_config(cfg: VLModelConfig, tp: int, bf16: bool, recompute: str = "none"):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -63,7 +63,7 @@ def language_transformer_config(cfg: VLModelConfig, tp: int, bf16: bool):
         num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, mrope_section=list(cfg.mrope_section),
-        **unfused_config_kwargs(tp, bf16))
+        **unfused_config_kwargs(tp, bf16, recompute))
 
 
 def _scatter_rows(hidden: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, add: bool) -> torch.Tensor:
@@ -79,7 +79,7 @@ def _scatter_rows(hidden: torch.Tensor, mask: torch.Tensor, values: torch.Tensor
 class Qwen3VLModel(megatron_module_base()):
     """Qwen3-VL: images -> vision tower -> image pads of the token embeddings -> GPTModel."""
 
-    def __init__(self, cfg: VLModelConfig, groups, bf16: bool = False):
+    def __init__(self, cfg: VLModelConfig, groups, bf16: bool = False, recompute: str = "none"):
         """`groups`: the Megatron `ProcessGroupCollection` it runs on (its TP group sets the TP
         size); the vision tower and the language model share it."""
         from megatron.core.enums import ModelType
@@ -89,7 +89,7 @@ class Qwen3VLModel(megatron_module_base()):
 
         tp = groups.tp.size()
         cfg.check_tensor_parallel(tp)
-        config = language_transformer_config(cfg, tp, bf16)
+        config = language_transformer_config(cfg, tp, bf16, recompute)
         super().__init__(config=config)
         self.cfg = cfg
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
@@ -150,7 +150,7 @@ class Qwen3VLModel(megatron_module_base()):
             self._deepstack = None
 
 
-def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False) -> Qwen3VLModel:
+def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False, recompute: str = "none") -> Qwen3VLModel:
     """A Megatron `Qwen3VLModel` on the current device (random init; load HF weights with
     `qwen3_vl_conversion.load_hf_into_qwen3_vl`). `groups`: its `ProcessGroupCollection`
     (default: this rank's forward-only collection from the start-up registry)."""
@@ -158,7 +158,7 @@ def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False) ->
         from tide_megatron.comm.groups import registry
 
         groups = registry().model_groups()
-    model = Qwen3VLModel(cfg, groups, bf16)
+    model = Qwen3VLModel(cfg, groups, bf16, recompute)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

@@ -42,17 +42,17 @@ def banned_token_ids(cfg: PolicyConfig) -> tuple[int, ...]:
     return cfg.vision_special_token_ids if is_vision_language(cfg) else ()
 
 
-def build_model(cfg: PolicyConfig, groups=None, bf16: bool = False) -> torch.nn.Module:
+def build_model(cfg: PolicyConfig, groups=None, bf16: bool = False, recompute: str = "none") -> torch.nn.Module:
     """The Megatron model of `cfg` on the current device (random init), on the Megatron
     `ProcessGroupCollection` `groups` (default: this rank's home TP group of the start-up
-    registry, `comm.groups`)."""
+    registry, `comm.groups`), with `trainer.recompute`'s activation recompute."""
     if is_vision_language(cfg):
         from tide_megatron.models.megatron_qwen3_vl import build_qwen3_vl_model
 
-        return build_qwen3_vl_model(cfg, groups, bf16=bf16)
+        return build_qwen3_vl_model(cfg, groups, bf16=bf16, recompute=recompute)
     from tide_megatron.models.megatron_gpt import build_gpt_model
 
-    return build_gpt_model(cfg, groups, bf16=bf16)
+    return build_gpt_model(cfg, groups, bf16=bf16, recompute=recompute)
 
 
 def load_hf_weights(model: torch.nn.Module, source: str | os.PathLike | dict, cfg: PolicyConfig) -> None:

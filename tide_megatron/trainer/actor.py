@@ -103,7 +103,7 @@ class MegatronActor:
         self.cfg = trainer_cfg
         self.groups = groups
         self.step = 0
-        model = build_model(model_cfg, groups, bf16=trainer_cfg.bf16)
+        model = build_model(model_cfg, groups, bf16=trainer_cfg.bf16, recompute=trainer_cfg.recompute)
         # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
         if hf_checkpoint_dir is not None:
             load_hf_weights(model, hf_checkpoint_dir, model_cfg)

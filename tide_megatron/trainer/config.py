@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tide_megatron.core.memory_estimate import RECOMPUTE_MODES
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -54,6 +56,15 @@ class TrainerConfig:
     tp_size: int = 1
     """Tensor-parallel size of actor and reference."""
 
+    pp_size: int = 1
+    """Pipeline-parallel size of actor and reference. The rank plan and the dry run lay out
+    PP > 1 (stages of whole TP groups, `core/rank_plan.py`); the trainer runs PP = 1 only."""
+
+    recompute: str = "none"
+    """Activation recompute: "none"; "selective" recomputes core attention in the backward pass
+    (its O(L^2) scores are then held for one layer at a time, the setting for long contexts with
+    the local layer spec); "full" recomputes every layer from its input."""
+
     bf16: bool = False
     """bf16 params with fp32 master weights (GPU). fp32 on CPU."""
 
@@ -71,5 +82,7 @@ class TrainerConfig:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if not (0 <= self.clip_eps_low < 1 and self.clip_eps_high >= 0):
             raise ValueError("need 0 <= clip_eps_low < 1 and clip_eps_high >= 0")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"trainer.recompute={self.recompute!r}: expected one of {RECOMPUTE_MODES}")
         if self.micro_batch_tokens <= 0 or self.pad_to_multiple_of <= 0:
             raise ValueError("micro_batch_tokens and pad_to_multiple_of must be positive")

@@ -77,6 +77,16 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
     for mb, lp in zip(mbs, results["initial_logprobs"]):
         mb.old_logprobs = lp * mb.loss_mask  # on-policy rollout
     ref.attach_logprobs(mbs)
+    # Activation recompute (`trainer.recompute`) trades memory for time, never numbers: the
+    # same gradients on the same weights with each mode.
+    actor.forward_backward(mbs)
+    plain = _grads(actor)
+    results["recompute_grad_diff"] = {}
+    for mode in ("selective", "full"):
+        recomputing = MegatronActor(cfg, dataclasses.replace(tcfg, recompute=mode), hf_dir)
+        recomputing.forward_backward(mbs)
+        results["recompute_grad_diff"][mode] = (_max_diff(plain, _grads(recomputing)), _max_abs(plain))
+        del recomputing
     # One step first, so that below actor != old policy != reference (ratios off 1, some
     # clipped, KL non-zero): the gradient checks then exercise every branch.
     steps = [actor.train_step(mbs)]

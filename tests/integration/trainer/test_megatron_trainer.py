@@ -144,3 +144,9 @@ def test_checkpoint_resume_round_trip(run):
 def test_missing_checkpoint_error_names_the_path(run):
     assert run["missing_error"] is not None
     assert os.path.join(run["out_dir"], "no_such_step") in run["missing_error"]
+
+
+def test_activation_recompute_gives_the_same_gradients(run):
+    for mode, (diff, scale) in run["recompute_grad_diff"].items():
+        assert scale > 0, "the plain gradients are all zero: the comparison would prove nothing"
+        assert diff <= 1e-6 * max(1.0, scale), (mode, diff, scale)

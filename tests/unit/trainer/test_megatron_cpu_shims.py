@@ -65,6 +65,9 @@ def test_upstream_call_sites_the_shims_cover_are_unchanged():
     assert "'torch.cuda.FloatTensor'" in _source(clip_grads.clip_grad_by_total_norm_fp32)
     assert "device='cuda'" in _source(optimizer.FP32Optimizer)
     assert "torch.cuda.current_device()" in _source(param_and_grad_buffer._ParamAndGradBuffer)
+    # Activation recompute saves the CUDA RNG state through torch.cuda.random's own binding.
+    from megatron.core.tensor_parallel import random as tp_random
+    assert "torch.cuda.random.get_rng_state(device=device)" in _source(tp_random._get_cuda_rng_state)
     # The default attention mask is built on CUDA, which is why callers pass one explicitly.
     assert 'device="cuda"' in _source(transformer_utils)
 
