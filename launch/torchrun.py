@@ -90,6 +90,28 @@ def check_one_node(args) -> None:
         raise SystemExit(f"launch/torchrun.py binds the store to {LOOPBACK}: drop --master-addr {args.master_addr}")
 
 
+def check_job(args) -> str | None:
+    """Compose, validate and plan `launch/train.py`'s config once, before any rank starts (one
+    line naming the key, not the same error from every rank after start-up); None when it can
+    run, or when the script is not launch/train.py or the process count is torchrun's "auto"."""
+    if Path(args.training_script).resolve() != REPO / "launch" / "train.py" or not str(args.nproc_per_node).isdigit():
+        return None
+    sys.path.insert(0, str(REPO / "launch"))
+    from hydra_schema import compose_job_config
+
+    from tide_megatron.core.rank_plan import PlanError
+    from tide_megatron.job_plan import plan_job
+
+    try:
+        plan_job(compose_job_config(args.training_script_args), 1, int(args.nproc_per_node))
+    except (PlanError, ValueError) as exc:
+        return str(exc)
+    except Exception as exc:  # Hydra's own errors: an unknown key, a bad value, a missing recipe
+        why = " ".join(f"{exc}: {exc.__cause__ or ''}".split()).rstrip(": ")
+        return f"{type(exc).__name__}: {why}"
+    return None
+
+
 def describe_failures(exc) -> str:
     """One line for torchrun's ChildFailedError: which ranks ended how, first failure first
     (torchrun stops the others with SIGTERM once one has failed)."""
@@ -123,6 +145,10 @@ def main(argv: list[str]) -> int:
 
     args = torchrun.parse_args(argv)
     check_one_node(args)
+    error = check_job(args)
+    if error:
+        print(f"launch/torchrun.py: the job cannot start: {error}", file=sys.stderr)
+        return 2
     sock = bind_loopback(args.master_port or 0)
     args.master_addr, args.master_port = LOOPBACK, sock.getsockname()[1]
     serve_store_on(sock)

@@ -1,6 +1,11 @@
 """Train a policy: `torchrun --nproc-per-node N launch/train.py +recipe=NAME [key=value ...]`.
 
 Every rank composes the same config; rank 0 runs the controller. See README.md.
+
+    python launch/train.py +recipe=NAME --dry-run --nnodes N --nproc-per-node G [--gpu-memory-gb 80]
+
+prints the rank plan, the memory per GPU and the weight-sync time without starting anything,
+and exits 1 with one line naming the key to change when the plan cannot work.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
 
 import hydra  # noqa: E402
-from hydra_schema import CONFIG_DIR, register, to_job_config  # noqa: E402
+from hydra_schema import CONFIG_DIR, pop_dry_run_args, register, to_job_config  # noqa: E402
 
 register()
+DRY_RUN = pop_dry_run_args(sys.argv)  # Hydra would take the flags for overrides
 # `kill -USR1 <pid>` prints every thread's stack: the first tool for a hung rank.
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
@@ -25,8 +31,17 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 def main(cfg) -> None:
     from tide_megatron.utils import console
 
-    rank = int(os.environ.get("RANK", "0"))
     job_cfg = to_job_config(cfg)
+    if DRY_RUN is not None:
+        from tide_megatron.job_plan import dry_run
+
+        report = dry_run(job_cfg, DRY_RUN.nnodes, DRY_RUN.nproc_per_node, DRY_RUN.gpu_memory_gb)
+        print("\n".join(report.lines))
+        if report.error:
+            print(f"the plan cannot work: {report.error}", file=sys.stderr)
+            sys.exit(1)
+        return
+    rank = int(os.environ.get("RANK", "0"))
     log_dir = os.path.join(job_cfg.run.output_dir, "logs")
     console.setup(rank, log_dir, verbose=job_cfg.run.verbose)
     try:

@@ -346,6 +346,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError(f"cluster.ref_ranks > 0 needs scheduler.mode=tide ({cfg.scheduler.mode} colocates the reference)")
     if trainers % cfg.trainer.tp_size:
         raise ValueError(f"{trainers} trainer ranks do not divide by trainer.tp_size={cfg.trainer.tp_size}")
+    if cfg.scheduler.groups_per_step < 1:
+        raise ValueError(f"scheduler.groups_per_step={cfg.scheduler.groups_per_step}: a step trains at least one group")
     if cfg.scheduler.group_size < 2:
         raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
     if cfg.run.steps < 1:
@@ -389,6 +391,13 @@ def validate(cfg: JobConfig, world_size: int) -> None:
 def check_runnable(cfg: JobConfig, world_size: int) -> None:
     """What the real system cannot run, said before any process group is made."""
     tp = cfg.trainer.tp_size
+    if cfg.trainer.pp_size != 1:
+        raise ValueError(f"trainer.pp_size={cfg.trainer.pp_size}: the trainer runs without pipeline parallelism "
+                         "(the rank plan and --dry-run lay PP out; training with it is not built yet): set 1")
+    if cfg.rollout.engine.tp_size != 1:
+        raise ValueError(f"rollout.engine.tp_size={cfg.rollout.engine.tp_size}: the rollout side drives one engine per "
+                         "rank on that rank's GPU (the rank plan and --dry-run lay out engines over several ranks' "
+                         "GPUs; running them is not built yet): set 1")
     if cfg.cluster.ref_ranks % tp:
         raise ValueError(f"cluster.ref_ranks={cfg.cluster.ref_ranks} must be whole TP blocks of "
                          f"trainer.tp_size={tp}: a reference rank runs the model at the trainer's TP size")

@@ -16,9 +16,10 @@ import logging
 import os
 from typing import Any
 
-from tide_megatron.config import JobConfig, check_runnable, validate
+from tide_megatron.config import JobConfig
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.topology import Topology, close_topology, init_topology
+from tide_megatron.job_plan import machine_from_env, plan_job
 from tide_megatron.utils.console import say
 from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV
 
@@ -32,12 +33,9 @@ _RESUME_KEY = "job/resume_path"
 
 class Job:
     def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(cfg, world)
-        check_runnable(cfg, world)
-        self.topo: Topology = init_topology(cfg.cluster.rollout_ranks, cfg.trainer.tp_size, cfg.run.seed,
-                                            ref_ranks=cfg.cluster.ref_ranks)
+        # The plan fixes the rollout count (`cluster.rollout_share`), every rank's GPU and groups.
+        self.cfg, plan = plan_job(cfg, *machine_from_env())
+        self.topo: Topology = init_topology(plan, cfg.run.seed)
         self.mailbox = Mailbox(self.topo.store, self.topo.rank)
         self._env_server = None
         self._closers: list[Any] = []
@@ -264,7 +262,9 @@ class Job:
         from tide_megatron.rollout.worker import RolloutWorker, build_chat
 
         cfg = self.cfg
-        engine_cfg = dataclasses.replace(cfg.rollout.engine, seed=cfg.run.seed + self.topo.rank)
+        # Its own GPU (the plan's; torchrun shows every GPU of the node to every rank).
+        engine_cfg = dataclasses.replace(cfg.rollout.engine, seed=cfg.run.seed + self.topo.rank,
+                                         base_gpu_id=self.topo.gpu)
 
         def new_engine() -> RolloutEngine:
             return RolloutEngine(engine_cfg, self.model_path)

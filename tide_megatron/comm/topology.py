@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tide_megatron.comm.groups import GroupLayout, GroupRegistry, new_group_factory, set_registry
+from tide_megatron.core.rank_plan import RankPlan
 from tide_megatron.core.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,13 @@ class Topology:
     seed: int = 0
     ref_ranks: list[int] = field(default_factory=list)
     """Dedicated reference ranks at start-up (decoupled RA2P)."""
+    plan: RankPlan | None = None
+    """The job's rank plan (`core/rank_plan.py`): every rank's role, GPU and engine."""
+
+    @property
+    def gpu(self) -> int:
+        """This rank's local GPU id (its engine's `base_gpu_id` when it rolls out)."""
+        return self.plan.slot(self.rank).gpu if self.plan else 0
 
     @property
     def role(self) -> Role:
@@ -80,9 +88,8 @@ def current_topology() -> Topology:
     return _TOPOLOGY
 
 
-def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 0,
-                  timeout_s: float = 1800.0) -> Topology:
-    """Join the torchrun job, split the ranks and create every process group."""
+def init_topology(plan: RankPlan, seed: int, timeout_s: float = 1800.0) -> Topology:
+    """Join the torchrun job, take this rank's place in `plan` and create every process group."""
     global _TOPOLOGY
     if "RANK" not in os.environ:
         raise RuntimeError(
@@ -90,16 +97,17 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 
             "torchrun --nproc-per-node 2 launch/train.py +recipe=tiny_cpu"
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    n_train = world - rollout_ranks - ref_ranks
-    layout = GroupLayout(world, tp_size)
-    layout.actor_blocks_of(range(n_train))  # the start-up actors must be whole TP blocks
+    if world != plan.world_size:
+        raise RuntimeError(f"the rank plan is for {plan.world_size} ranks, the job has {world}")
+    layout = GroupLayout(world, plan.request.trainer_tp)
+    layout.actor_blocks_of(plan.actor_ranks)  # the start-up actors must be whole TP blocks
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     # torchrun keeps its store across `--max-restarts`: each attempt gets its own keys, or a
     # restarted job would read the dead attempt's mailboxes and process-group addresses.
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(plan.slot(rank).gpu)
     # gloo carries the control-plane tensors (weights on CPU, log-probs); NCCL, when there is a
     # GPU, the gradients.
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -113,13 +121,14 @@ def init_topology(rollout_ranks: int, tp_size: int, seed: int, ref_ranks: int = 
     topo = Topology(
         rank=rank,
         world_size=world,
-        trainer_ranks=list(range(n_train)),
-        rollout_ranks=list(range(n_train + ref_ranks, world)),
-        ref_ranks=list(range(n_train, n_train + ref_ranks)),
+        trainer_ranks=plan.actor_ranks,
+        rollout_ranks=plan.rollout_ranks,
+        ref_ranks=plan.ref_ranks,
         store=dist.PrefixStore("tide", store),
         job_group=dist.group.WORLD,
         groups=registry,
         seed=seed,
+        plan=plan,
     )
     _TOPOLOGY = topo
     logger.info("rank %d/%d: %s; %d process groups of %d in %.2f s", rank, world, topo.role.name,

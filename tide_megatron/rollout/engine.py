@@ -55,6 +55,9 @@ class RolloutEngineConfig:
     """Fraction of GPU memory for weights and KV (GPU only)."""
     tp_size: int = 1
     """Tensor parallelism inside one engine."""
+    base_gpu_id: int | None = None
+    """The first local GPU of the engine (`device=cuda`); set per rank from the rank plan, not in
+    a recipe. None: SGLang's default, GPU 0."""
     use_sessions: bool = True
     """One streaming session per task, so a waiting task keeps its prefix pinned."""
     sleep_on_idle: bool | None = None
@@ -89,6 +92,8 @@ class RolloutEngineConfig:
             kwargs["mem_fraction_static"] = self.mem_fraction_static
         if self.device == "cpu":
             kwargs["disable_cuda_graph"] = True
+        elif self.base_gpu_id is not None:
+            kwargs["base_gpu_id"] = self.base_gpu_id
         if self.sleep_on_idle if self.sleep_on_idle is not None else self.device == "cpu":
             kwargs["sleep_on_idle"] = True
         kwargs.update(self.extra_args)

@@ -40,23 +40,27 @@ def test_no_recipe_is_the_tiny_cpu_run(compose_job):
 
 @pytest.mark.parametrize("recipe,world", [("tiny_cpu", 2), ("webshop_qwen2_5_7b", 32), ("osworld_qwen3vl", 32)])
 def test_recipes_compose_and_validate(compose_job, recipe, world):
+    from tide_megatron.job_plan import plan_job
+
     job = compose_job(f"+recipe={recipe}")
     assert job.run.name == recipe
-    validate(job, world)
+    resolved, plan = plan_job(job, world // min(world, 8), min(world, 8))
+    validate(resolved, world)
+    assert resolved.cluster.rollout_ranks == len(plan.rollout_ranks) >= 1
 
 
-@pytest.mark.parametrize("recipe,dp", [("webshop_qwen2_5_7b", 6), ("osworld_qwen3vl", 8)])
+@pytest.mark.parametrize("recipe,dp", [("webshop_qwen2_5_7b", 6), ("osworld_qwen3vl", 4)])
 def test_real_recipes_lay_out_a_tp_by_dp_trainer_in_tide_mode(compose_job, recipe, dp):
     from tide_megatron.comm.groups import GroupLayout
+    from tide_megatron.job_plan import plan_job
     from tide_megatron.trainer.assignment import TrainerAssignment
 
-    job = compose_job(f"+recipe={recipe}")
+    job, plan = plan_job(compose_job(f"+recipe={recipe}"), 4, 8)
     assert job.scheduler.mode == "tide"
-    check_runnable(job, 32)
     trainers = 32 - job.cluster.rollout_ranks - job.cluster.ref_ranks
     start = TrainerAssignment.at_startup(GroupLayout(32, job.trainer.tp_size), range(trainers),
                                          range(trainers, trainers + job.cluster.ref_ranks))
-    assert start.dp_size == dp and len(start.actor_ranks) == trainers
+    assert start.dp_size == dp == plan.dp_size and len(start.actor_ranks) == trainers
 
 
 def test_reference_ranks_must_be_whole_tp_blocks(compose_job):
@@ -89,6 +93,7 @@ def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     ("envs.train_env=nope", 2, "envs.train_env='nope'"),
     ("scheduler.mode=fast", 2, "scheduler.mode='fast'"),
     ("scheduler.min_groups_per_step=9", 2, "scheduler.min_groups_per_step=9: expected 0"),
+    ("scheduler.groups_per_step=0", 2, "scheduler.groups_per_step=0: a step trains at least one group"),
 ])
 def test_validate_names_the_offending_keys(compose_job, override, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
