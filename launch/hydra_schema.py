@@ -62,3 +62,16 @@ def compose_job_config(overrides: list[str]) -> JobConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return to_job_config(compose(config_name="config", overrides=list(overrides)))
+
+
+SECRET_KEYS = ("auth_token",)
+
+
+def refuse_secret_overrides(argv: list[str]) -> None:
+    """A secret in a Hydra override sits on the command line of every rank, which `ps` shows to
+    every user of the node: stop with one line saying where it goes instead."""
+    for arg in argv[1:]:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if value and key.rsplit(".", 1)[-1] in SECRET_KEYS:
+            raise SystemExit(f"launch/train.py: {key} on the command line is visible to every user of the node "
+                             "(ps); pass the env server's token in the TIDE_ENV_TOKEN environment variable instead")

@@ -97,11 +97,15 @@ def check_job(args) -> str | None:
     if Path(args.training_script).resolve() != REPO / "launch" / "train.py" or not str(args.nproc_per_node).isdigit():
         return None
     sys.path.insert(0, str(REPO / "launch"))
-    from hydra_schema import compose_job_config
+    from hydra_schema import compose_job_config, refuse_secret_overrides
 
     from tide_megatron.core.rank_plan import PlanError
     from tide_megatron.job_plan import plan_job
 
+    try:
+        refuse_secret_overrides([args.training_script, *args.training_script_args])
+    except SystemExit as exc:
+        return str(exc).removeprefix("launch/train.py: ")
     try:
         plan_job(compose_job_config(args.training_script_args), 1, int(args.nproc_per_node))
     except (PlanError, ValueError) as exc:

@@ -19,9 +19,10 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
 
 import hydra  # noqa: E402
-from hydra_schema import CONFIG_DIR, pop_dry_run_args, register, to_job_config  # noqa: E402
+from hydra_schema import CONFIG_DIR, pop_dry_run_args, refuse_secret_overrides, register, to_job_config  # noqa: E402
 
 register()
+refuse_secret_overrides(sys.argv)
 DRY_RUN = pop_dry_run_args(sys.argv)  # Hydra would take the flags for overrides
 # `kill -USR1 <pid>` prints every thread's stack: the first tool for a hung rank.
 faulthandler.register(signal.SIGUSR1, all_threads=True)

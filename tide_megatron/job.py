@@ -76,7 +76,7 @@ class Job:
             cfg = self.cfg
             os.makedirs(cfg.run.output_dir, exist_ok=True)
             with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
+                json.dump(redact_secrets(dataclasses.asdict(cfg)), f, indent=2)
             self._resume = resolve_resume(cfg.run, self.checkpoint_root)
             model_path = cfg.model.path or self._write_random_checkpoint()
             _check_model_dir(model_path)
@@ -299,6 +299,16 @@ class _EnvConnection:
 
     def close(self) -> None:
         self.worker.engine.loop.run_until_complete(self.client.close())
+
+
+def redact_secrets(value: Any) -> Any:
+    """The resolved config as written to `config.json`, every non-empty `auth_token` replaced:
+    the output directory is shared with whoever reads the run's results."""
+    if isinstance(value, dict):
+        return {k: "<redacted>" if k == "auth_token" and v else redact_secrets(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_secrets(v) for v in value]
+    return value
 
 
 def resolve_resume(run, checkpoint_root: str):

@@ -125,3 +125,16 @@ def test_the_launcher_checks_the_config_once_before_any_rank_starts(tmp_path):
     assert proc.stderr.strip() == ("launch/torchrun.py: the job cannot start: scheduler.groups_per_step=0: a step "
                                    "trains at least one group")
     assert not (tmp_path / "logs").exists()  # no rank started
+
+
+def test_tokens_stay_off_command_lines_and_out_of_config_json(tmp_path):
+    from tide_megatron.job import redact_secrets
+
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
+                           str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", "envs.client.auth_token=s3cret-s3cret-s3cret"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and "TIDE_ENV_TOKEN" in proc.stderr and "s3cret" not in proc.stderr
+    written = redact_secrets({"envs": {"client": {"auth_token": "s3cret", "port": 1}, "server": {"auth_token": ""}},
+                              "list": [{"auth_token": "x"}]})
+    assert written == {"envs": {"client": {"auth_token": "<redacted>", "port": 1}, "server": {"auth_token": ""}},
+                       "list": [{"auth_token": "<redacted>"}]}
