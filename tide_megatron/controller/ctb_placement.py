@@ -23,6 +23,7 @@ closed by a rollout rank (`ReleaseCarry`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
@@ -32,6 +33,8 @@ from tide_megatron.core.ctb import Admit, GroupCancelled
 from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_carrier import TagFields
 from tide_megatron.rollout.ctb_dispatcher import CTBDispatcher, RankResources
+
+logger = logging.getLogger(__name__)
 
 
 class MailboxCarrier:
@@ -74,7 +77,7 @@ class CTBPlacement:
 
     @property
     def stats(self) -> dict[str, int]:
-        return self.dispatcher.stats
+        return {**self.dispatcher.stats, **self.budget_tokens}
 
     def submit(self, assignments: Iterable[TaskAssignment], *, front: bool = False) -> None:
         del front  # P(t) orders tasks: evaluation tasks first through I_eval
@@ -159,6 +162,23 @@ class CTBPlacement:
     def add_rank(self, rank: int) -> None:
         """A rank rejoins with a fresh engine state (it dropped every task and loaded new weights)."""
         self.dispatcher.add_rank(rank, self._resources)
+
+    def engine_ready(self, rank: int, kv_tokens: int | None, request_rows: int | None) -> None:
+        """A rank's engine started: CTB's budget for it comes from what SGLang allocated."""
+        if kv_tokens is None or request_rows is None:
+            return
+        sized = self.dispatcher.engine_sized(rank, RankResources(kv_tokens, request_rows))
+        if sized is not None:
+            logger.info("rank %d: CTB budget %d tokens of SGLang's KV pool of %d (ctb.kv_budget_fraction), "
+                        "at most %d tasks of %d request rows", rank, sized[0], kv_tokens, sized[1], request_rows)
+
+    @property
+    def budget_tokens(self) -> dict[str, int]:
+        """KV pool and CTB token budget summed over the ranks in rollout (metrics)."""
+        ranks = [r for r in self.dispatcher.policy.ranks]
+        pools = [self.dispatcher.resources.get(r, self._resources).kv_tokens or 0 for r in ranks]
+        return {"kv_pool_tokens": sum(pools),
+                "kv_budget_tokens": sum(self.dispatcher.policy.rank_usage(r)[1] for r in ranks)}
 
     def kv_usage(self, ranks) -> float | None:
         """Mean share of the KV token budget that resident tasks hold on `ranks` (None: none

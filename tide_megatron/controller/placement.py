@@ -151,6 +151,9 @@ class RequestPlacement:
     def add_rank(self, rank: int) -> None:
         self._load.setdefault(rank, 0)
 
+    def engine_ready(self, rank: int, kv_tokens: int | None, request_rows: int | None) -> None:
+        """Request-level placement leaves KV and rows to SGLang: nothing to size."""
+
     def queued(self) -> int:
         return len(self._queue)
 

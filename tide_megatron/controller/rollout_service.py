@@ -260,6 +260,7 @@ class RolloutService(threading.Thread):
                 self._reconcile()
             elif isinstance(msg, RankReady):
                 self.engines[msg.src] = msg.engine
+                self.placement.engine_ready(msg.src, msg.engine.get("kv_tokens"), msg.engine.get("request_rows"))
                 self.health.add_rank(msg.src, now)
                 self.health.progressed(now)
             else:  # the trainer's and reference rank's replies: the main thread's

@@ -157,6 +157,14 @@ class CTBScheduler:
         self._used[rank] = 0
         self._releasing_tokens[rank] = 0
 
+    def resize_rank(self, rank: int, budget: int, max_resident: Optional[int]) -> None:
+        """New limits for a rollout rank (its engine reported what it really allocated). Tasks
+        it holds stay; admission and pausing use the new limits from the next decision on."""
+        if budget < 1 or (max_resident is not None and max_resident < 1):
+            raise ValueError(f"rank {rank}: need budget >= 1 and max_resident >= 1, got {budget}, {max_resident}")
+        pool = self._ranks[rank]
+        pool.budget, pool.max_resident = budget, max_resident
+
     def set_accepting(self, rank: int, accepting: bool) -> None:
         """Quarantine (False) or re-open (True) a rank; residents are left alone."""
         self._ranks[rank].accepting = accepting

@@ -69,7 +69,8 @@ class _Transit:
 
 @dataclass(frozen=True)
 class RankResources:
-    """What a rollout rank's engine has (from `RolloutEngineConfig`)."""
+    """What a rollout rank's engine has: from `RolloutEngineConfig` until the engine starts, then
+    what SGLang allocated (`RankReady`)."""
 
     kv_tokens: Optional[int]
     """KV pool in tokens (`max_total_tokens`; None: sized by SGLang, `ctb.policy.rank_token_budget` is used)."""
@@ -102,6 +103,8 @@ class CTBDispatcher:
         caller books their tokens (and takes the list)."""
         self._forget_after_release: set[str] = set()
         """Cancelled groups the controller is done with, kept until their ranks confirm every release."""
+        self.resources: dict[int, RankResources] = {}
+        """Each rank's engine, as configured until the engine reports what it allocated."""
         self._checked: set[int] = set()
         self._quarantined: set[int] = set()
         self._vanilla_ranks: set[int] = set()
@@ -117,8 +120,21 @@ class CTBDispatcher:
         if not self.cfg.enabled:
             self._vanilla_ranks.add(rank)
             return
+        resources = self.resources.setdefault(rank, resources)  # what its engine reported, once it has
         budget, cap = self.cfg.rank_limits(resources.kv_tokens, resources.request_rows)
         self.policy.add_rank(rank, budget, cap)
+
+    def engine_sized(self, rank: int, resources: RankResources) -> Optional[tuple[int, int]]:
+        """A rank's engine reported the KV pool and request rows SGLang really allocated
+        (`max_total_tokens: null` leaves the pool to SGLang): its CTB limits follow them.
+        Returns the new (token budget, task cap); None when CTB is off or the rank not in it."""
+        self.resources[rank] = resources
+        if not self.cfg.enabled or rank not in self.policy.ranks:
+            return None
+        budget, cap = self.cfg.rank_limits(resources.kv_tokens, resources.request_rows)
+        self.policy.resize_rank(rank, budget, cap)
+        self._checked.discard(rank)  # the next report is checked against the new limits
+        return budget, cap
 
     def remove_rank(self, rank: int) -> list[str]:
         """A rank leaves rollout (ERS role change or failure). Its tasks are re-dispatched: with

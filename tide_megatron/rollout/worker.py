@@ -225,6 +225,8 @@ class RolloutWorker:
         logger.info("rollout rank %d: pid %d, engine ready (restarts: %d)", self.rank, os.getpid(), self.engine_restarts)
         self.mailbox.post(CONTROLLER, RankReady(engine={"max_total_tokens": cfg.max_total_tokens,
                                                         "max_running_requests": cfg.max_running_requests,
+                                                        "kv_tokens": self.engine.kv_tokens,
+                                                        "request_rows": self.engine.request_rows,
                                                         "use_sessions": cfg.use_sessions,
                                                         "restarts": self.engine_restarts}, pid=os.getpid()))
         next_beat = 0.0

@@ -58,6 +58,20 @@ def test_plugin_runs_inside_the_scheduler_process(stack):
     assert none is None
 
 
+def test_the_engine_reports_the_pool_and_rows_sglang_allocated(stack):
+    """What CTB sizes its budget from (`RolloutEngine.kv_tokens` / `request_rows`, sent in
+    `RankReady`) is what the scheduler holds: the plugin's allocator counts agree."""
+    from sglang_patches.task_tag import ADMIT, TaskTag
+    from tide_megatron.rollout.ctb_task_runner import generate_tagged
+
+    engine, _chat, _env = stack
+    tag = TaskTag(ADMIT, "size/0", "probe", False, 3.0, 64, 32)
+    _gen, report = _run(engine, generate_tagged(engine, list(range(20, 40)), {"max_new_tokens": 2, "temperature": 0},
+                                                tag, None))
+    assert engine.kv_tokens >= 2048 and engine.kv_tokens == report["kv_total"]
+    assert engine.request_rows == 32 == report["rows_total"]
+
+
 def test_the_plugin_times_decode_iterations_in_the_scheduler(stack):
     """Every finished tagged request reports the engine's cumulative decode counters; one
     request alone decodes in batches of one, so the floor is measured too."""

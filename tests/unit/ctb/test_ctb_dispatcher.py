@@ -319,3 +319,22 @@ def test_a_cancelled_group_is_forgotten_once_its_ranks_confirm_every_release():
     assert "g/1" in d.assignments and d.policy.rank_releasing(0)[1] == 1
     d.task_released(0, "g/1")
     assert not d.assignments and d.policy.rank_releasing(0) == (0, 0) and not d.policy.audit()
+
+
+def test_a_ranks_budget_follows_what_its_engine_allocated():
+    """`rollout.engine.max_total_tokens: null` leaves the pool to SGLang: the engine's report
+    (`RankReady`), not the config, sizes CTB's budget and task cap, and admission uses them."""
+    from tide_megatron.rollout.ctb_config import resident_cap_for_rows
+
+    d, c = _dispatcher(ranks=2, kv=1000, rows=9)
+    assert d.policy.rank_usage(0)[1] == 1000 and d.policy.rank_tasks(0)[1] == resident_cap_for_rows(9)
+    assert d.engine_sized(1, RankResources(5000, 33)) == (5000, resident_cap_for_rows(33))
+    assert d.policy.rank_usage(1)[1] == 5000 and d.policy.rank_tasks(1)[1] == resident_cap_for_rows(33)
+    d.submit(_assignments("big", 1), prompt_tokens=3000)  # fits rank 1's pool only
+    d.schedule(0.0)
+    assert c.where["big/0"] == 1
+    # A rank that leaves rollout and comes back keeps its engine's numbers.
+    d.remove_rank(0)
+    d.engine_sized(0, RankResources(4000, 17))
+    d.add_rank(0, RankResources(1000, 9))
+    assert d.policy.rank_usage(0)[1] == 4000 and d.policy.rank_tasks(0)[1] == resident_cap_for_rows(17)
