@@ -207,19 +207,20 @@ class RolloutEngine:
         logging.getLogger("sglang").setLevel(cfg.log_level.upper())
         self.loop: asyncio.AbstractEventLoop = self._engine.loop
         self._tm = self._engine.tokenizer_manager
+        # When it first runs, the tokenizer manager installs its own SIGQUIT handler (kill the
+        # process tree); give it one that reports to this engine instead.
+        self._tm.signal_handler_class = _signal_handler_class(self)
         # What SGLang allocated (with `max_total_tokens: null` it sizes the pool from memory):
-        # CTB's budget follows these, not the config (`RankReady`).
-        # (`Engine.get_server_info()` would deep-copy the server args, which cannot copy the
-        # bound SIGQUIT handler above: the two parts it reads are read here directly.)
+        # CTB's budget follows these, not the config (`RankReady`). This is the tokenizer
+        # manager's first run, so it comes after the handler above. (`Engine.get_server_info()`
+        # would deep-copy the server args, which cannot copy that handler: its two parts are
+        # read here directly.)
         init_info = self._engine._scheduler_init_result.scheduler_infos[0]
         state = self.loop.run_until_complete(self._tm.get_internal_state())[0]
         self.kv_tokens: int = int(init_info["max_total_num_tokens"])
         """Tokens the engine's KV pool holds."""
         self.request_rows: int = int(state["effective_max_running_requests_per_dp"])
         """Requests the scheduler runs at once (`max_running_requests` as resolved)."""
-        # When it first runs, the tokenizer manager installs its own SIGQUIT handler (kill the
-        # process tree); give it one that reports to this engine instead.
-        self._tm.signal_handler_class = _signal_handler_class(self)
         self.weight_version = 0
         self.weight_epoch = 0
         """Counts weight loads: a session opened in an older epoch holds stale KV."""
