@@ -189,6 +189,9 @@ class SchedulerConfig:
     weight_sync_timeout_s: float = 300.0
     """A rollout rank that has not loaded the weights it was sent this long after the send is
     quarantined (a transfer and an engine load, on a rank that still sends heartbeats)."""
+    weight_bucket_mb: int = 512
+    """Weights go to the engines in shared-memory buckets of at most this many MiB, one SGLang
+    update each (`comm/weight_sync.py`)."""
     min_rollout_ranks: int = 1
     """The run stops, naming the silent rank, when fewer rollout ranks than this are in service."""
     ready_timeout_s: float = 600.0

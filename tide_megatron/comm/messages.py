@@ -148,12 +148,17 @@ class ReleaseCarry(Message):
 
 @dataclass
 class LoadWeights(Message):
-    """Receive the weights `manifest` describes from rank `sender` (point to point, see
-    `weight_sync.py`) and load them. Posted to exactly the ranks the weights are sent to."""
+    """Load the weights `manifest` describes (`weight_sync.py`): from the shared-memory buckets
+    whose handles `shared` holds (a sender on this node), else received point to point from
+    `sender`, then passed on to the ranks of `relay_to` (this rank is its node's relay). Posted to
+    exactly the ranks the weights go to."""
 
     KIND: ClassVar[str] = "weights"
     manifest: dict[str, Any]
     sender: int = 0
+    shared: list[str] = field(default_factory=list)
+    """One serialized handle per bucket (`weight_sync.share_buffer`); empty: point to point."""
+    relay_to: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -1,38 +1,54 @@
-"""Pushing the actor's weights from trainer rank 0 to the rollout engines, point to point.
+"""Pushing the actor's weights from trainer rank 0 to the rollout engines.
 
 At the weight-sync boundary the trainer gathers its (TP-sharded) weights into Hugging Face
-tensors on rank 0; rank 0 packs them into one flat buffer (`pack`) and sends it to each
-rollout rank the controller names (`WeightSender.send`): a `LoadWeights` message over the
-control mailbox first (the manifest, so the receiver can size the buffer, and the sender),
-then a non-blocking gloo send over the job's group, tagged with the version. Each receiver
-takes it with `receive_flat` and hands views into it (`unpack`) to its engine. Trainer and
-reference ranks take no part; a rank left out (quarantined, see `controller/quarantine.py`)
-blocks no one. A broadcast over the whole group, which every rank had to join, would let one
-hung rank stall every sync.
+tensors on rank 0 (`WeightSet`), and `WeightSender.send` delivers them to the rollout ranks
+the controller names, each by the cheapest path its place in the rank plan allows:
 
-Why rank 0 never waits on a send: in gloo (torch 2.13) a `Work.wait(timeout)` that expires
-closes every connection of the process ("Application timeout caused pair closure"), so the
-next send to any other rank fails too; and `Work.is_completed()` of gloo point-to-point work
-stays False even after the transfer. So the bound on a transfer is the receiver's
-`WeightsLoaded` over the mailbox: the controller quarantines a receiver that has not confirmed
-within `scheduler.weight_sync_timeout_s`. Each `Send` keeps its work object (and with it the
-buffer) until the receiver confirms; a receiver that wakes up late still finds its send
-pending and completes it, and the tag keeps it apart from later versions.
+- **Same node as the sender**: the tensors are written once into shared-memory buckets
+  (`scheduler.weight_bucket_mb` each) and every engine on the node loads them from there. The
+  `LoadWeights` message carries each bucket's handle (a few hundred bytes: torch's
+  `file_system` sharing names a /dev/shm file), which the rank passes unchanged to SGLang's
+  `update_weights_from_tensor`; the engine's scheduler maps the bucket and copies it into its
+  parameters. One copy of the model per node, however many engines: the node's engines read it
+  in parallel, and neither the rollout rank nor SGLang's serializer copies it again.
+- **Another node**: the lowest receiver of that node is its relay. Rank 0 sends it the packed
+  buffer point to point (`LoadWeights` with `relay_to`, then a tagged gloo send); the relay
+  receives it straight into shared memory, loads its own engine from it and passes the bucket
+  handles on to the node's other receivers in their own `LoadWeights`. Each node's network
+  link carries the model once, not once per engine.
+
+Nothing here waits on a receiver. A receiver confirms with `WeightsLoaded`, and the controller
+quarantines one that does not within `scheduler.weight_sync_timeout_s` (a hung relay leaves its
+node's receivers unconfirmed too: they are quarantined with it and rejoin at the next sync).
+A collective over the receivers would let one hung rank stall every sync.
+
+Why nothing waits on a gloo send: in gloo (torch 2.13) a `Work.wait(timeout)` that expires
+closes every connection of the process ("Application timeout caused pair closure"), and
+`Work.is_completed()` of gloo point-to-point work stays False even after the transfer. Each
+`Send` keeps what its receiver reads (the work object with its buffer, or the shared buckets)
+until the receiver confirms; the sender also keeps the newest version's buckets until a newer
+one is sent, so an engine that dies and restarts reloads them (`rollout/worker.py`). A receiver
+that wakes up late still finds its send pending and completes it; the tag keeps versions apart.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from multiprocessing.reduction import ForkingPickler
+
 from tide_megatron.comm.messages import LoadWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 @dataclass
@@ -43,34 +59,28 @@ class WeightManifest:
     names: list[str]
     shapes: list[list[int]]
     dtype: str
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Largest shared-memory bucket (a relay cuts the buffer it received the same way)."""
 
     @property
     def numel(self) -> int:
         return sum(int(torch.Size(s).numel()) for s in self.shapes)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "names": self.names, "shapes": self.shapes, "dtype": self.dtype}
+        return {"version": self.version, "names": self.names, "shapes": self.shapes, "dtype": self.dtype,
+                "bucket_bytes": self.bucket_bytes}
 
     @classmethod
     def from_json(cls, data: dict) -> WeightManifest:
-        return cls(int(data["version"]), list(data["names"]), [list(s) for s in data["shapes"]], str(data["dtype"]))
+        return cls(int(data["version"]), list(data["names"]), [list(s) for s in data["shapes"]], str(data["dtype"]),
+                   int(data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)))
 
 
-def pack(named: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[WeightManifest, torch.Tensor]:
-    """Flatten HF-named tensors into one contiguous buffer (on CPU: gloo sends host memory)."""
-    names, shapes, flats = [], [], []
-    dtype = None
-    for name, tensor in named:
-        dtype = dtype or tensor.dtype
-        if tensor.dtype != dtype:
-            raise ValueError(f"{name} is {tensor.dtype}, expected every tensor in {dtype}")
-        names.append(name)
-        shapes.append(list(tensor.shape))
-        flats.append(tensor.detach().reshape(-1).to("cpu"))
-    if not flats:
-        raise ValueError("no weights to pack")
-    dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
-    return WeightManifest(version, names, shapes, dtype_name), torch.cat(flats)
+def pack(named: list[tuple[str, torch.Tensor]], version: int,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[WeightManifest, torch.Tensor]:
+    """Flatten HF-named tensors into one contiguous host buffer (what gloo sends to a relay)."""
+    manifest = manifest_of(named, version, bucket_bytes)
+    return manifest, torch.cat([t.detach().reshape(-1).to("cpu") for _, t in named])
 
 
 def unpack(manifest: WeightManifest, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -92,31 +102,145 @@ class Send:
     version: int
     work: Any
     started: float
+    keep: Any = None
+    """What the receiver reads besides the work's buffer: the shared buckets it loads from."""
 
 
+def share_named(named: list[tuple[str, torch.Tensor]], version: int,
+                bucket_bytes: int) -> tuple[WeightManifest, list[str], torch.Tensor]:
+    """Copy HF-named tensors into one shared-memory buffer; returns (manifest, one serialized
+    handle per bucket, the buffer, which must outlive every load from it)."""
+    manifest = manifest_of(named, version, bucket_bytes)
+    flat = shared_empty(manifest)
+    offset = 0
+    for _, t in named:
+        n = t.numel()
+        flat[offset: offset + n].copy_(t.detach().reshape(-1))
+        offset += n
+    return manifest, share_buffer(manifest, flat), flat
+
+
+def shared_empty(manifest: WeightManifest) -> torch.Tensor:
+    """An uninitialised buffer for `manifest`'s tensors in shared memory that any process of
+    the node can map (torch's `file_system` sharing: by /dev/shm file name; the default passes
+    file descriptors through the owner's resource sharer, which reaches its own children only)."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype]).share_memory_()
+
+
+def share_buffer(manifest: WeightManifest, flat: torch.Tensor) -> list[str]:
+    """Serialized handles of `flat`'s tensors (from `shared_empty`), one per bucket."""
+    if not flat.is_shared():
+        raise ValueError("share_buffer needs a buffer from shared_empty")
+    return [_serialize(bucket) for bucket in buckets(unpack(manifest, flat), manifest.bucket_bytes)]
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of tensors of at most `bucket_bytes` each (a larger tensor alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = bucket_bytes
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > bucket_bytes or not out:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += nbytes
+    return out
+
+
+def manifest_of(named: list[tuple[str, torch.Tensor]], version: int,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightManifest:
+    """The manifest of HF-named tensors, which must share one dtype."""
+    if not named:
+        raise ValueError("no weights to send")
+    dtypes = {t.dtype for _, t in named}
+    if len(dtypes) != 1:
+        raise ValueError(f"expected every tensor in one dtype, got {sorted(map(str, dtypes))}")
+    dtype_name = next(k for k, v in _DTYPES.items() if v in dtypes)
+    return WeightManifest(version, [n for n, _ in named], [list(t.shape) for _, t in named], dtype_name,
+                          bucket_bytes)
+
+
+def _serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+    """What SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)` writes, without
+    importing SGLang here: a ForkingPickler dump (shared storages travel as /dev/shm names under
+    torch's `file_system` strategy, which any process of the node can open), base64 encoded."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class WeightSet:
+    """One version of the actor's weights on the sender, in the forms its receivers need: the
+    shared buckets (same node) and the packed buffer (relays on other nodes), each made once."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.named, self.version, self.bucket_bytes = named, version, bucket_bytes
+        self._shared: tuple[WeightManifest, list[str], torch.Tensor] | None = None
+        self._packed: tuple[WeightManifest, torch.Tensor] | None = None
+
+    def shared(self) -> tuple[WeightManifest, list[str], torch.Tensor]:
+        if self._shared is None:
+            self._shared = share_named(self.named, self.version, self.bucket_bytes)
+        return self._shared
+
+    def packed(self) -> tuple[WeightManifest, torch.Tensor]:
+        if self._packed is None:
+            self._packed = pack(self.named, self.version, self.bucket_bytes)
+        return self._packed
+
+
+def route(receivers: Iterable[int], node_of: Callable[[int], int], sender_node: int) -> tuple[list[int], dict[int, list[int]]]:
+    """(receivers that load the sender's shared buckets, {relay: the other receivers of its
+    node}): one relay per other node, its lowest receiver."""
+    local, remote = [], {}
+    for r in sorted(receivers):
+        if node_of(r) == sender_node:
+            local.append(r)
+        else:
+            remote.setdefault(node_of(r), []).append(r)
+    return local, {ranks[0]: ranks[1:] for ranks in remote.values()}
+
+
+@dataclass
 class WeightSender:
-    """Rank 0's end: the manifest by mailbox, the buffer by a tagged point-to-point send."""
+    """Rank 0's end (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup, mailbox: Any, rank: int = 0):
-        self.group, self.mailbox, self.rank = group, mailbox, rank
+    group: dist.ProcessGroup
+    mailbox: Any
+    rank: int = 0
+    node_of: Callable[[int], int] = field(default=lambda rank: 0)
+    """The node of a rank (the rank plan's); one node when not given."""
+    newest: WeightSet | None = None
+    """Kept until a newer version is sent: a restarted engine reloads it."""
 
-    def send(self, manifest: WeightManifest, flat: torch.Tensor, receivers: Iterable[int]) -> list[Send]:
-        """Start sending `flat` to each receiver; returns at once (see the module docstring for
-        why nothing here waits)."""
-        out = []
-        for rank in receivers:
-            work = self.group.send([flat], rank, manifest.version)
-            self.mailbox.post(rank, LoadWeights(manifest.to_json(), sender=self.rank))
-            out.append(Send(rank, manifest.version, work, time.monotonic()))
+    def send(self, weights: WeightSet, receivers: Iterable[int]) -> list[Send]:
+        """Start delivering `weights` to each receiver; returns at once."""
+        local, relays = route(receivers, self.node_of, self.node_of(self.rank))
+        out, now = [], time.monotonic()
+        if local:
+            manifest, handles, _ = weights.shared()
+            for r in local:
+                self.mailbox.post(r, LoadWeights(manifest.to_json(), sender=self.rank, shared=handles))
+                out.append(Send(r, weights.version, None, now, keep=weights))
+        for relay, peers in relays.items():
+            manifest, flat = weights.packed()
+            work = self.group.send([flat], relay, manifest.version)
+            self.mailbox.post(relay, LoadWeights(manifest.to_json(), sender=self.rank, relay_to=peers))
+            out.append(Send(relay, weights.version, work, now, keep=flat))
+            out += [Send(p, weights.version, None, now) for p in peers]  # they load from the relay
+        self.newest = weights
         return out
 
 
 def receive_flat(group: dist.ProcessGroup, manifest: WeightManifest, src: int,
-                 timeout_s: float) -> tuple[torch.Tensor, float]:
-    """A receiver's end: the buffer `manifest` describes, from `src`. Returns it and the seconds
-    spent. The sender started its send before posting the `LoadWeights` this answers, so only a
-    dead sender (the job is over then) lets `timeout_s` pass; gloo then raises."""
-    flat = torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype])
+                 timeout_s: float, shared: bool = False) -> tuple[torch.Tensor, float]:
+    """A receiver's end: the buffer `manifest` describes, from `src` (`shared`: allocated in
+    shared memory, for a relay). Returns it and the seconds spent. The sender started its send
+    before posting the `LoadWeights` this answers, so only a dead sender (the job is over then)
+    lets `timeout_s` pass; gloo then raises."""
+    flat = shared_empty(manifest) if shared else torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype])
     t0 = time.perf_counter()
     group.recv([flat], src, manifest.version).wait(timedelta(seconds=timeout_s))
     return flat, time.perf_counter() - t0

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import STOP_GRACE_S, Stop, Stopped
-from tide_megatron.comm.weight_sync import WeightSender
+from tide_megatron.comm.weight_sync import WeightSender, WeightSet
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
 from tide_megatron.controller import run_state
@@ -107,7 +107,8 @@ class Controller:
             groups_per_step=sched.groups_per_step, max_staleness=sched.max_staleness,
             max_task_retries=sched.max_task_retries, max_failed_groups=sched.max_failed_groups,
             seed=cfg.run.seed, start_version=start_step, health=health,
-            eval_pass_threshold=sched.eval_pass_threshold, weight_sender=WeightSender(topo.job_group, mailbox),
+            eval_pass_threshold=sched.eval_pass_threshold, weight_sender=WeightSender(
+                topo.job_group, mailbox, node_of=lambda rank: topo.plan.slot(rank).node if topo.plan else 0),
             weight_sync_timeout_s=sched.weight_sync_timeout_s, min_rollout_ranks=sched.min_rollout_ranks,
             hand_over_tasks=cfg.ers.hand_over_tasks)
         self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
@@ -273,8 +274,9 @@ class Controller:
     def _push_weights(self, wait: bool) -> None:
         """Weights to the rollout ranks the rollout service names (in service, or rejoining)."""
         version = self.version
-        self.trainer_rank.push_weights(version, lambda manifest, flat: self.rollout.call(
-            lambda: self.rollout.send_weights(manifest, flat)), mailbox=self.mailbox)
+        bucket_bytes = self.cfg.scheduler.weight_bucket_mb << 20
+        self.trainer_rank.push_weights(version, lambda named: self.rollout.call(
+            lambda: self.rollout.send_weights(WeightSet(named, version, bucket_bytes))), mailbox=self.mailbox)
         if wait:  # sync: the next rollout phase must run on these weights (a rank that cannot load
             # them in time is quarantined, which settles the wait too)
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: self.rollout.weights_settled(version)),

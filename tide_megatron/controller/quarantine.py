@@ -169,10 +169,10 @@ class Quarantine:
             self.ledger.book_attempt(self.health.late(msg.src, tokens, now), fate="cancelled")
         return True
 
-    def send_weights(self, manifest, flat, now: float) -> list[int]:
+    def send_weights(self, weights, now: float) -> list[int]:
         """Step 3 (and every sync): send to the ranks in service and those ready to rejoin."""
         receivers = self.receivers(self.ranks, lambda r: self.health.back(r, now))
-        self.sent(self.weight_sender.send(manifest, flat, receivers), now + self.weight_sync_timeout_s)
+        self.sent(self.weight_sender.send(weights, receivers), now + self.weight_sync_timeout_s)
         return receivers
 
     def overdue(self, now: float) -> list[tuple[int, str]]:

@@ -498,10 +498,11 @@ class RolloutService(threading.Thread):
         self._tasks = self.placement.running()
         self._sampled_at = now
 
-    def send_weights(self, manifest, flat) -> list[int]:
-        """Send packed weights to the ranks in service and those ready to rejoin; returns them.
-        Nothing waits here: each must confirm within `weight_sync_timeout_s` or is quarantined."""
-        return self.quarantine.send_weights(manifest, flat, time.monotonic())
+    def send_weights(self, weights) -> list[int]:
+        """Send weights (a `weight_sync.WeightSet`) to the ranks in service and those ready to
+        rejoin; returns them. Nothing waits here: each must confirm within
+        `weight_sync_timeout_s` or is quarantined."""
+        return self.quarantine.send_weights(weights, time.monotonic())
 
     def weights_settled(self, version: int) -> bool:
         """Every receiver of `version` loaded it or was quarantined (sync mode waits for this)."""

@@ -353,19 +353,24 @@ class RolloutEngine:
         which the new policy makes stale (see the module docstring)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = [MultiprocessingSerializer.serialize(list(named_tensors))] * self.cfg.tp_size
+        await self.load_serialized([MultiprocessingSerializer.serialize(list(named_tensors))], version)
+
+    async def load_serialized(self, buckets: list, version: int) -> None:
+        """`update_weights` from serialized buckets of named tensors (`weight_sync.share_buffer`:
+        shared-memory handles, which the scheduler maps without a copy here), one SGLang update
+        per bucket inside one weight-update boundary."""
         self._turns_open.clear()
         try:
             await self._no_turns.wait()
             for session_id in list(self._sessions):
                 await self.close_session(session_id)
-            await self._unless_dead(self._load(payload, version))
+            await self._unless_dead(self._load(buckets, version))
             self.weight_version = version
             self.weight_epoch += 1
         finally:
             self._turns_open.set()
 
-    async def _load(self, payload: list, version: int) -> None:
+    async def _load(self, buckets: list, version: int) -> None:
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
             EndWeightUpdateReqInput,
@@ -374,19 +379,20 @@ class RolloutEngine:
 
         await self._tm.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
         try:
-            ok, message = await self._tm.update_weights_from_tensor(
-                UpdateWeightsFromTensorReqInput(
-                    serialized_named_tensors=payload,
-                    load_format=None,
-                    flush_cache=False,  # flushed below, once the sessions' requests have drained
-                    weight_version=str(version),
-                ),
-                None,
-            )
+            for bucket in buckets:
+                ok, message = await self._tm.update_weights_from_tensor(
+                    UpdateWeightsFromTensorReqInput(
+                        serialized_named_tensors=[bucket] * self.cfg.tp_size,
+                        load_format=None,
+                        flush_cache=False,  # flushed below, once the sessions' requests have drained
+                        weight_version=str(version),
+                    ),
+                    None,
+                )
+                if not ok:
+                    raise RuntimeError(f"SGLang rejected the weight update to version {version}: {message}")
         finally:
             await self._tm.end_weight_update(EndWeightUpdateReqInput(), None)
-        if not ok:
-            raise RuntimeError(f"SGLang rejected the weight update to version {version}: {message}")
         # Closing a session frees its request on the scheduler's next pass; the deferred flush
         # waits for that idle moment (no new turn can start meanwhile: the turn gate is closed).
         flushed = await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)

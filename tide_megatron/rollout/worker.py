@@ -12,9 +12,11 @@ Heartbeats carry the rank's own count of generated tokens, the tokens of tasks s
 and what the longest-waiting tasks wait for: the controller reconciles its ledger against the
 first (a vanished task shows up as lost tokens) and names the second when a run stalls.
 
-On `LoadWeights` the rank receives the weights from the sender the message names (point to
-point, in a thread, so running tasks keep going; see `weight_sync.py`) and loads them into its
-engine, which drains turns, drops stale sessions and flushes the cache first (see `engine.py`).
+On `LoadWeights` the rank loads the weights into its engine from shared-memory buckets on its
+node (the sender's, or a relay's), or, as its node's relay, receives them from the sender first
+(point to point, in a thread, so running tasks keep going) and passes the buckets on (see
+`weight_sync.py`); the engine drains turns, drops stale sessions and flushes the cache first
+(see `engine.py`).
 Heartbeats go on meanwhile: a long transfer or load is not silence.
 
 On `CancelAll` (rank 0 quarantined this rank after it fell silent, and took its tasks back)
@@ -42,6 +44,7 @@ it received are loaded into it, and the rank reports ready again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -172,7 +175,8 @@ class RolloutWorker:
                  engine_factory: Optional[Callable[[], RolloutEngine]] = None):
         self.rank = rank
         self._engine_factory = engine_factory
-        self._last_weights: Optional[tuple[weight_sync.WeightManifest, Any]] = None
+        self._last_weights: Optional[tuple[int, list[str], Any]] = None
+        """(version, serialized buckets, this rank's buffer behind them if it relayed them)."""
         self.engine_restarts = 0
         self._weights_owed = False
         """The engine died while loading the last weights: report them once a new engine has them."""
@@ -290,13 +294,12 @@ class RolloutWorker:
             self._engines[self.rank] = self.engine
             self.engine_restarts += 1
             if self._last_weights is not None:
-                manifest, flat = self._last_weights
+                version, buckets, _keep = self._last_weights
                 t0 = time.perf_counter()
-                self.engine.loop.run_until_complete(
-                    self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version))
+                self.engine.loop.run_until_complete(self.engine.load_serialized(buckets, version))
                 if self._weights_owed:  # rank 0 may be waiting for this version (sync mode)
                     self._weights_owed = False
-                    self._report_loaded(manifest.version, 0.0, time.perf_counter() - t0)
+                    self._report_loaded(version, 0.0, time.perf_counter() - t0)
         finally:
             restarted.set()
             beats.join()
@@ -340,7 +343,7 @@ class RolloutWorker:
             self._releases.add(release)
             release.add_done_callback(self._releases.discard)
         elif isinstance(msg, LoadWeights):
-            await self._load_weights(weight_sync.WeightManifest.from_json(msg.manifest), msg.sender)
+            await self._load_weights(msg)
         elif isinstance(msg, Stop):
             self._stopping = True
         else:
@@ -442,16 +445,28 @@ class RolloutWorker:
             running_tokens=sum(t.own for t in self._tasks.values()),
             running_tasks=len(self._tasks), env_steps=self._env_steps, waiting=waiting, busy_s=busy, idle_s=idle))
 
-    async def _load_weights(self, manifest: weight_sync.WeightManifest, sender: int) -> None:
+    async def _load_weights(self, msg: LoadWeights) -> None:
+        """Load the weights `msg` names: from the sender's shared buckets on this node, or, as
+        its node's relay, received point to point into shared memory, loaded, and passed on to
+        the node's other receivers (`weight_sync.py`)."""
+        manifest = weight_sync.WeightManifest.from_json(msg.manifest)
         loop = asyncio.get_running_loop()
         beats = loop.create_task(self._beat_forever())  # the mailbox loop waits for this load
+        comm_s, keep = 0.0, None
         try:
-            flat, comm_s = await loop.run_in_executor(None, weight_sync.receive_flat, self.job_group, manifest,
-                                                      sender, WEIGHT_RECV_TIMEOUT_S)
+            buckets = list(msg.shared)
+            if not buckets:
+                keep, comm_s = await loop.run_in_executor(None, functools.partial(
+                    weight_sync.receive_flat, self.job_group, manifest, msg.sender, WEIGHT_RECV_TIMEOUT_S, shared=True))
+                buckets = weight_sync.share_buffer(manifest, keep)
+                for peer in msg.relay_to:  # before loading here: the node's engines load in parallel
+                    self.mailbox.post(peer, LoadWeights(manifest.to_json(), sender=self.rank, shared=buckets))
             t0 = time.perf_counter()
-            self._last_weights = (manifest, flat)  # what a replacement engine starts from
+            # What a replacement engine starts from. The buffer is the sender's (kept until it
+            # sends a newer version) or, on a relay, this rank's own (kept until the next one).
+            self._last_weights = (manifest.version, buckets, keep)
             try:
-                await self.engine.update_weights(weight_sync.unpack(manifest, flat), manifest.version)
+                await self.engine.load_serialized(buckets, manifest.version)
             except RuntimeError:
                 if not self.engine.died:
                     raise

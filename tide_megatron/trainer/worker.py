@@ -37,7 +37,6 @@ import threading
 import time
 from typing import Any, Mapping
 
-from tide_megatron.comm import weight_sync
 from tide_megatron.comm.groups import GroupRegistry
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import Stop
@@ -281,10 +280,10 @@ class TrainerWorker:
     # ---- weights and checkpoints ---------------------------------------------------------
 
     def push_weights(self, version: int, send=None, mailbox: Mailbox | None = None) -> float:
-        """Gather HF weights on actor DP rank 0 (collective over its TP group); rank 0 packs them
-        and hands them to `send(manifest, flat)`, the controller's point-to-point push to the
-        rollout ranks it names (`comm/weight_sync.py`). Rank 0 passes `mailbox` to have its TP
-        peers join the gather ("push_weights"). Returns the seconds `send` took."""
+        """Gather HF weights on actor DP rank 0 (collective over its TP group); rank 0 hands them
+        to `send(named)`, the controller's push to the rollout ranks it names
+        (`comm/weight_sync.py`). Rank 0 passes `mailbox` to have its TP peers join the
+        gather ("push_weights"). Returns the seconds `send` took."""
         if self.role not in (Role.ACTOR, Role.ACTOR_REF) or self.assignment.dp_rank(self.rank) != 0:
             return 0.0
         if mailbox is not None:
@@ -294,9 +293,8 @@ class TrainerWorker:
         named = list(self.actor.hf_weights())
         if self.rank != 0:
             return 0.0  # rank 0 alone sends
-        manifest, flat = weight_sync.pack(named, version)
         started = time.perf_counter()
-        send(manifest, flat)
+        send(named)
         return time.perf_counter() - started
 
     def save(self, run_state: dict[str, Any] | None = None) -> str | None:

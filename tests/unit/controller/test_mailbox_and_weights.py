@@ -3,18 +3,29 @@ transfer, where a receiver that never receives holds up no one."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
-import pytest
-
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import Heartbeat, LoadWeights, RunTask, TaskAssignment, TrajectoryDone, WeightsLoaded
-from tide_megatron.comm.weight_sync import WeightManifest, WeightSender, pack, receive_flat, unpack
+from tide_megatron.comm.weight_sync import (
+    WeightManifest,
+    WeightSender,
+    WeightSet,
+    buckets,
+    pack,
+    receive_flat,
+    route,
+    share_named,
+    unpack,
+)
 from tide_megatron.core.trajectory import Segment, Trajectory
 
 
@@ -97,6 +108,44 @@ def test_pack_refuses_mixed_dtypes():
         pack([("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], 0)
 
 
+def test_buckets_keep_order_and_cut_at_the_byte_limit():
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 100])]  # fp32: 4 bytes each
+    cut = buckets(named, bucket_bytes=80)
+    assert [[n for n, _ in b] for b in cut] == [["t0", "t1"], ["t2"], ["t3", "t4"], ["t5"]]
+    assert [n for b in cut for n, _ in b] == [n for n, _ in named]
+
+
+@pytest.mark.parametrize("receivers,nodes,local,relays", [
+    ([1, 2, 3], {0: 0, 1: 0, 2: 0, 3: 0}, [1, 2, 3], {}),               # one node: every engine maps the buckets
+    ([4, 5, 6, 7, 9], {r: r // 4 for r in range(12)}, [], {4: [5, 6, 7], 9: []}),  # one relay per other node
+    ([3, 4], {r: r // 4 for r in range(8)}, [3], {4: []}),
+])
+def test_route_shares_on_the_senders_node_and_relays_one_copy_per_other_node(receivers, nodes, local, relays):
+    assert route(receivers, nodes.__getitem__, sender_node=0) == (local, relays)
+
+
+def test_shared_buckets_reach_an_unrelated_process_by_handle_not_by_copy(tmp_path):
+    """What an engine's scheduler gets: a few hundred bytes per bucket naming a /dev/shm file,
+    which a process of the node maps to the very tensors the sender wrote."""
+    named = [("big.weight", torch.randn(512, 512)), ("small.bias", torch.randn(7)), ("last", torch.arange(6.0))]
+    manifest, handles, flat = share_named(named, version=3, bucket_bytes=1 << 20)
+    assert flat.is_shared() and len(handles) == 2  # the 1 MiB matrix alone, then the two small ones
+    assert all(len(h) < 4096 for h in handles)  # handles, not data (the matrix alone is 1 MiB)
+    script = (
+        "import base64, pickle, sys, torch\n"
+        "out = []\n"
+        "for h in sys.stdin.read().split():\n"
+        "    for name, t in pickle.loads(base64.b64decode(h)):\n"
+        "        out.append((name, float(t.double().sum()), list(t.shape)))\n"
+        "print(out)\n")
+    proc = subprocess.run([sys.executable, "-c", script], input="\n".join(handles), capture_output=True, text=True,
+                          timeout=120, start_new_session=True)  # its own session: no inherited descriptors
+    assert proc.returncode == 0, proc.stderr
+    got = eval(proc.stdout)
+    assert got == [(n, float(t.double().sum()), list(t.shape)) for n, t in named]
+    assert WeightManifest.from_json(manifest.to_json()).bucket_bytes == 1 << 20
+
+
 def test_a_sender_stopped_between_reserving_and_writing_blocks_no_one():
     """A slot reserved and never written (a sender frozen inside `post`) must not block the
     owner; the frozen sender's message is read, in its order, once written."""
@@ -156,6 +205,7 @@ def test_a_receiver_that_never_receives_blocks_no_one():
             if rank == 2:
                 assert wake_rank2.wait(timeout=30)  # hung until rank 0 is done with the others
             msg = _take(mailbox, LoadWeights, 30)
+            assert msg.relay_to == [] and msg.shared == []  # each rank its own node's relay: point to point
             manifest = WeightManifest.from_json(msg.manifest)
             flat, _ = receive_flat(groups[rank], manifest, msg.sender, timeout_s=30)
             got[rank].append((manifest.version, unpack(manifest, flat)))
@@ -164,14 +214,15 @@ def test_a_receiver_that_never_receives_blocks_no_one():
     threads = [threading.Thread(target=receiver, args=(1, 2)), threading.Thread(target=receiver, args=(2, 1))]
     for t in threads:
         t.start()
-    sender, inbox = WeightSender(groups[0], Mailbox(store, 0)), Mailbox(store, 0)
+    # Every rank on a node of its own: the weights cross the network, point to point.
+    sender, inbox = WeightSender(groups[0], Mailbox(store, 0), node_of=lambda rank: rank), Mailbox(store, 0)
     t0 = time.monotonic()
-    sends = sender.send(*pack(_named(1), 1), receivers=[1, 2])
+    sends = sender.send(WeightSet(_named(1), 1), receivers=[1, 2])
     assert time.monotonic() - t0 < 5  # nothing waits for rank 2
     assert [(s.rank, s.version) for s in sends] == [(1, 1), (2, 1)]
     assert _take(inbox, WeightsLoaded, 30).src == 1
     # rank 2 stays silent; the next version goes to rank 1 alone, over the same group
-    later = sender.send(*pack(_named(2), 2), receivers=[1])  # kept: a dropped Send may abort its transfer
+    later = sender.send(WeightSet(_named(2), 2), receivers=[1])  # kept: a dropped Send may abort its transfer
     assert _take(inbox, WeightsLoaded, 30).src == 1
     assert time.monotonic() - t0 < 20
     assert [v for v, _ in got[1]] == [1, 2] and got[2] == []

@@ -123,10 +123,10 @@ class FakeSender:
     def __init__(self, store):
         self.mb = Mailbox(store, 0)
 
-    def send(self, manifest, flat, receivers):
+    def send(self, weights, receivers):
         for r in receivers:
-            self.mb.post(r, LoadWeights({"version": manifest.version}))
-        return [Send(r, manifest.version, None, 0.0) for r in receivers]
+            self.mb.post(r, LoadWeights({"version": weights.version}))
+        return [Send(r, weights.version, None, 0.0) for r in receivers]
 
 
 def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
@@ -319,11 +319,11 @@ def test_a_silent_rank_is_quarantined_its_tasks_run_elsewhere_and_it_rejoins(sto
         assert svc.call(svc.quarantine_counts) == {"quarantines": 1, "rejoins": 0, "moves_out": 0, "moves_in": 0, "out_of_service": 1}
         assert svc.call(lambda: svc.counters["retries"]) == G
         assert svc.call(svc.ledger_snapshot)["failed"] == G * 5  # written off at once: it may never come back
-        assert svc.call(lambda: svc.send_weights(_Manifest, None)) == [1]  # left out of the sync
+        assert svc.call(lambda: svc.send_weights(_Manifest)) == [1]  # left out of the sync
 
         ranks[2].frozen.clear()  # it wakes, drops what it held, answers
         _until("the drain", lambda: svc.call(lambda: svc.quarantine.out[2].drained))
-        assert svc.call(lambda: svc.send_weights(type("M", (), {"version": 2}), None)) == [1, 2]
+        assert svc.call(lambda: svc.send_weights(type("M", (), {"version": 2}))) == [1, 2]
         _until("the rejoin", lambda: svc.call(svc.quarantine_counts)["rejoins"] == 1)
         assert svc.call(lambda: svc.weights_settled(2))
         ranks[2].delay_s = 0.05
@@ -366,14 +366,14 @@ def test_ers_moves_a_loaded_rank_to_the_trainer_and_back_and_a_new_rank_in_losin
         assert batch.num_trajectories == 2 * G  # its group ran afresh on rank 1
         assert svc.call(lambda: (svc.counters["retries"], svc.counters["tasks_moved"])) == (0, G)
         assert svc.call(lambda: svc.rollout_ranks) == [1]
-        assert svc.call(lambda: svc.send_weights(_Manifest, None)) == [1]
+        assert svc.call(lambda: svc.send_weights(_Manifest)) == [1]
         time.sleep(0.7)  # past the heartbeat timeout
         assert svc.call(svc.quarantine_counts)["quarantines"] == 0
 
         svc.call(lambda: svc.return_to_rollout(2))
         svc.call(lambda: svc.return_to_rollout(3))
         # both get the weights at once: rank 3 has not even started (its send waits for it)
-        assert svc.call(lambda: svc.send_weights(type("M", (), {"version": 2}), None)) == [1, 2, 3]
+        assert svc.call(lambda: svc.send_weights(type("M", (), {"version": 2}))) == [1, 2, 3]
         ranks[2].beat, ranks[2].delay_s = True, 0.05
         ranks[3].start()
         _until("both in service", lambda: svc.call(svc.quarantine_counts)["moves_in"] == 2)
@@ -480,7 +480,7 @@ def test_a_quarantine_of_the_rank_a_task_was_handed_to_books_its_carried_tokens_
         ranks[2].beat = False
         _until("the carried tasks on rank 1", lambda: set(on_2) <= set(ranks[1].running))
         svc.call(lambda: svc.return_to_rollout(3))
-        svc.call(lambda: svc.send_weights(type("M", (), {"version": 1}), None))
+        svc.call(lambda: svc.send_weights(type("M", (), {"version": 1})))
         ranks[3].start()
         _until("rank 3 in service", lambda: svc.call(lambda: 3 in svc.quarantine.serving))
         time.sleep(0.2)  # a heartbeat of rank 1 shows the carried tasks running, then it hangs
