@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,11 +22,23 @@ def header(benchmark: str, **machine) -> dict:
     return {
         "benchmark": benchmark,
         "command": " ".join(["python", script, *sys.argv[1:]]),
+        **git_state(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "load_avg_1_5_15": os.getloadavg(), **machine},
     }
+
+
+def git_state() -> dict:
+    """The commit the benchmark ran on, and whether the working tree differed from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
 
 
 def write(name_or_path: str, record: dict) -> str:

@@ -19,6 +19,7 @@ from tide_megatron.core.memory_estimate import (
     ModelShape,
     TrainerMemoryInputs,
     engine_memory,
+    node_sync_seconds,
     relay_sync_seconds,
     trainer_memory,
 )
@@ -137,10 +138,16 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
     lines.append(f"  rollout engine GPU (mem_fraction_static {fraction:g}): {engine.line.describe()}; "
                  f"KV pool {engine.kv_tokens} tokens = {engine.kv_tokens // max(1, resolved.rollout.runner.max_context_tokens)}"
                  f" full contexts of {resolved.rollout.runner.max_context_tokens}")
-    sync = relay_sync_seconds(shape.params * wbytes, len(plan.engines), tr.tp_size, link)
-    lines.append(f"weight sync: {shape.params * wbytes / GB:.1f} GB to {len(plan.engines)} engine(s) through rank 0's "
-                 f"host, one after another: ~{sync:.1f} s per step (gloo {link.gloo_gbps:g} GB/s, PCIe "
-                 f"{link.pcie_gbps:g} GB/s assumed)")
+    by_node: dict[int, int] = {}
+    for engine_placement in plan.engines:
+        by_node[engine_placement.node] = by_node.get(engine_placement.node, 0) + 1
+    model_bytes = shape.params * wbytes
+    sync = node_sync_seconds(model_bytes, by_node, plan.slot(0).node, tr.tp_size, link)
+    relays = sum(1 for node in by_node if node != plan.slot(0).node)
+    lines.append(f"weight sync: {model_bytes / GB:.1f} GB to {len(plan.engines)} engine(s) on {len(by_node)} node(s), "
+                 f"one shared copy per node ({relays} relayed over the network): ~{sync:.1f} s per step "
+                 f"(PCIe {link.pcie_gbps:g} GB/s, gloo {link.gloo_gbps:g} GB/s assumed; the earlier rank-0 relay: "
+                 f"~{relay_sync_seconds(model_bytes, len(plan.engines), tr.tp_size, link):.1f} s)")
     error = None
     if not trainer.fits:
         error = (f"trainer GPU memory {trainer.total_gb:.1f} GB over {trainer.budget_gb:.1f} GB: set trainer.recompute="

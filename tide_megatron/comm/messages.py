@@ -157,7 +157,7 @@ class LoadWeights(Message):
     manifest: dict[str, Any]
     sender: int = 0
     shared: list[str] = field(default_factory=list)
-    """One serialized handle per bucket (`weight_sync.share_buffer`); empty: point to point."""
+    """One serialized handle per bucket (`weight_sync.bucket_handles`, for this rank alone); empty: point to point."""
     relay_to: list[int] = field(default_factory=list)
 
 

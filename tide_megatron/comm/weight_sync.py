@@ -26,8 +26,9 @@ Why nothing waits on a gloo send: in gloo (torch 2.13) a `Work.wait(timeout)` th
 closes every connection of the process ("Application timeout caused pair closure"), and
 `Work.is_completed()` of gloo point-to-point work stays False even after the transfer. Each
 `Send` keeps what its receiver reads (the work object with its buffer, or the shared buckets)
-until the receiver confirms; the sender also keeps the newest version's buckets until a newer
-one is sent, so an engine that dies and restarts reloads them (`rollout/worker.py`). A receiver
+until the receiver confirms. A receiver maps the buckets it loaded and holds them until its next
+version, so their memory outlives the sender's hold and an engine that dies and restarts
+reloads them (`rollout/worker.py`). A receiver
 that wakes up late still finds its send pending and completes it; the tag keeps versions apart.
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import io
+import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -107,9 +109,9 @@ class Send:
 
 
 def share_named(named: list[tuple[str, torch.Tensor]], version: int,
-                bucket_bytes: int) -> tuple[WeightManifest, list[str], torch.Tensor]:
-    """Copy HF-named tensors into one shared-memory buffer; returns (manifest, one serialized
-    handle per bucket, the buffer, which must outlive every load from it)."""
+                bucket_bytes: int) -> tuple[WeightManifest, torch.Tensor]:
+    """Copy HF-named tensors into one shared-memory buffer; returns (manifest, the buffer, which
+    must outlive every load from it)."""
     manifest = manifest_of(named, version, bucket_bytes)
     flat = shared_empty(manifest)
     offset = 0
@@ -117,7 +119,7 @@ def share_named(named: list[tuple[str, torch.Tensor]], version: int,
         n = t.numel()
         flat[offset: offset + n].copy_(t.detach().reshape(-1))
         offset += n
-    return manifest, share_buffer(manifest, flat), flat
+    return manifest, flat
 
 
 def shared_empty(manifest: WeightManifest) -> torch.Tensor:
@@ -128,11 +130,18 @@ def shared_empty(manifest: WeightManifest) -> torch.Tensor:
     return torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype]).share_memory_()
 
 
-def share_buffer(manifest: WeightManifest, flat: torch.Tensor) -> list[str]:
-    """Serialized handles of `flat`'s tensors (from `shared_empty`), one per bucket."""
+def bucket_handles(manifest: WeightManifest, flat: torch.Tensor) -> list[str]:
+    """Serialized handles of `flat`'s tensors (from `shared_empty`), one per bucket, for ONE
+    receiver: torch counts each serialization as one reference that the process opening it
+    takes over (`rebuild_storage_filename` drops it), so every opening needs its own."""
     if not flat.is_shared():
-        raise ValueError("share_buffer needs a buffer from shared_empty")
-    return [_serialize(bucket) for bucket in buckets(unpack(manifest, flat), manifest.bucket_bytes)]
+        raise ValueError("bucket_handles needs a buffer from shared_empty")
+    return serialize_buckets(buckets(unpack(manifest, flat), manifest.bucket_bytes))
+
+
+def serialize_buckets(mapped: list[list[tuple[str, torch.Tensor]]]) -> list[str]:
+    """Handles of buckets of shared tensors (for one opening each, see `bucket_handles`)."""
+    return [_serialize(bucket) for bucket in mapped]
 
 
 def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -171,16 +180,24 @@ def _serialize(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def map_buckets(handles: list[str]) -> list[list[tuple[str, torch.Tensor]]]:
+    """The tensors behind serialized bucket handles, mapped into this process (no copy; each
+    handle opened once). Holding them keeps their shared memory alive after its owner lets go:
+    a receiver keeps the buckets its engine last loaded, so a replacement engine can load them
+    again (`serialize_buckets` gives its engine handles of its own)."""
+    return [pickle.loads(base64.b64decode(h)) for h in handles]
+
+
 class WeightSet:
     """One version of the actor's weights on the sender, in the forms its receivers need: the
     shared buckets (same node) and the packed buffer (relays on other nodes), each made once."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.named, self.version, self.bucket_bytes = named, version, bucket_bytes
-        self._shared: tuple[WeightManifest, list[str], torch.Tensor] | None = None
+        self._shared: tuple[WeightManifest, torch.Tensor] | None = None
         self._packed: tuple[WeightManifest, torch.Tensor] | None = None
 
-    def shared(self) -> tuple[WeightManifest, list[str], torch.Tensor]:
+    def shared(self) -> tuple[WeightManifest, torch.Tensor]:
         if self._shared is None:
             self._shared = share_named(self.named, self.version, self.bucket_bytes)
         return self._shared
@@ -212,17 +229,16 @@ class WeightSender:
     rank: int = 0
     node_of: Callable[[int], int] = field(default=lambda rank: 0)
     """The node of a rank (the rank plan's); one node when not given."""
-    newest: WeightSet | None = None
-    """Kept until a newer version is sent: a restarted engine reloads it."""
 
     def send(self, weights: WeightSet, receivers: Iterable[int]) -> list[Send]:
         """Start delivering `weights` to each receiver; returns at once."""
         local, relays = route(receivers, self.node_of, self.node_of(self.rank))
         out, now = [], time.monotonic()
         if local:
-            manifest, handles, _ = weights.shared()
+            manifest, flat = weights.shared()
             for r in local:
-                self.mailbox.post(r, LoadWeights(manifest.to_json(), sender=self.rank, shared=handles))
+                self.mailbox.post(r, LoadWeights(manifest.to_json(), sender=self.rank,
+                                                 shared=bucket_handles(manifest, flat)))
                 out.append(Send(r, weights.version, None, now, keep=weights))
         for relay, peers in relays.items():
             manifest, flat = weights.packed()
@@ -230,7 +246,6 @@ class WeightSender:
             self.mailbox.post(relay, LoadWeights(manifest.to_json(), sender=self.rank, relay_to=peers))
             out.append(Send(relay, weights.version, work, now, keep=flat))
             out += [Send(p, weights.version, None, now) for p in peers]  # they load from the relay
-        self.newest = weights
         return out
 
 

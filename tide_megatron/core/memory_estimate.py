@@ -185,7 +185,7 @@ class LinkModel:
     defaults are H100 SXM nodes (NVLink 4: 900 GB/s per GPU, of which NCCL all-gathers reach about
     half; PCIe 5 x16 host copies about 25 GB/s; one 400 Gb/s NIC per GPU = 50 GB/s, about 40
     reached by NCCL) and gloo over TCP on one host's NIC (about 3 GB/s, the figure this project
-    measured for the relay on one host is in `benchmarks/results/weight_sync.json`)."""
+    measured on one CPU host is in `benchmarks/results/weight_sync.json`)."""
 
     nvlink_gbps: float = 450.0
     pcie_gbps: float = 25.0
@@ -193,8 +193,23 @@ class LinkModel:
     gloo_gbps: float = 3.0
 
 
+def node_sync_seconds(model_bytes: float, engines_by_node: dict[int, int], sender_node: int, trainer_tp: int,
+                      link: LinkModel = LinkModel()) -> float:
+    """The path `comm/weight_sync.py` takes: the trainer's TP shards gathered on rank 0 (NVLink)
+    and written once to host shared memory (PCIe); the packed buffer sent over gloo (TCP,
+    `gloo_gbps`) to one relay per other node that has engines, one after another from rank 0,
+    each received into that node's shared memory; every engine then loads from its node's copy (PCIe, the engines
+    of a node in parallel). `engines_by_node`: node -> engines on it."""
+    gather = model_bytes * (trainer_tp - 1) / trainer_tp / (link.nvlink_gbps * GB)
+    to_host = model_bytes / (link.pcie_gbps * GB)
+    remote = sum(1 for node, n in engines_by_node.items() if n and node != sender_node)
+    relays = remote * model_bytes / (link.gloo_gbps * GB)
+    load = model_bytes / (link.pcie_gbps * GB) if any(engines_by_node.values()) else 0.0
+    return gather + to_host + relays + load
+
+
 def relay_sync_seconds(model_bytes: float, engines: int, trainer_tp: int, link: LinkModel = LinkModel()) -> float:
-    """Today's path: the trainer's TP shards gathered to rank 0 (NVLink), one copy to host (PCIe),
+    """The earlier path, for comparison (`benchmarks/weight_sync.py`): the trainer's TP shards gathered to rank 0 (NVLink), one copy to host (PCIe),
     then sent over gloo to each engine in turn, each receiver copying to its GPU (PCIe)."""
     gather = model_bytes * (trainer_tp - 1) / trainer_tp / (link.nvlink_gbps * GB)
     return gather + model_bytes / (link.pcie_gbps * GB) + engines * model_bytes / (link.gloo_gbps * GB) + \

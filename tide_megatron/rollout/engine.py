@@ -356,7 +356,7 @@ class RolloutEngine:
         await self.load_serialized([MultiprocessingSerializer.serialize(list(named_tensors))], version)
 
     async def load_serialized(self, buckets: list, version: int) -> None:
-        """`update_weights` from serialized buckets of named tensors (`weight_sync.share_buffer`:
+        """`update_weights` from serialized buckets of named tensors (`weight_sync.bucket_handles`:
         shared-memory handles, which the scheduler maps without a copy here), one SGLang update
         per bucket inside one weight-update boundary."""
         self._turns_open.clear()

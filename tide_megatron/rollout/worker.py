@@ -175,8 +175,8 @@ class RolloutWorker:
                  engine_factory: Optional[Callable[[], RolloutEngine]] = None):
         self.rank = rank
         self._engine_factory = engine_factory
-        self._last_weights: Optional[tuple[int, list[str], Any]] = None
-        """(version, serialized buckets, this rank's buffer behind them if it relayed them)."""
+        self._last_weights: Optional[tuple[int, list]] = None
+        """(version, its buckets of tensors in shared memory, mapped here)."""
         self.engine_restarts = 0
         self._weights_owed = False
         """The engine died while loading the last weights: report them once a new engine has them."""
@@ -294,9 +294,10 @@ class RolloutWorker:
             self._engines[self.rank] = self.engine
             self.engine_restarts += 1
             if self._last_weights is not None:
-                version, buckets, _keep = self._last_weights
+                version, mapped = self._last_weights
                 t0 = time.perf_counter()
-                self.engine.loop.run_until_complete(self.engine.load_serialized(buckets, version))
+                self.engine.loop.run_until_complete(
+                    self.engine.load_serialized(weight_sync.serialize_buckets(mapped), version))
                 if self._weights_owed:  # rank 0 may be waiting for this version (sync mode)
                     self._weights_owed = False
                     self._report_loaded(version, 0.0, time.perf_counter() - t0)
@@ -452,21 +453,23 @@ class RolloutWorker:
         manifest = weight_sync.WeightManifest.from_json(msg.manifest)
         loop = asyncio.get_running_loop()
         beats = loop.create_task(self._beat_forever())  # the mailbox loop waits for this load
-        comm_s, keep = 0.0, None
+        comm_s = 0.0
         try:
-            buckets = list(msg.shared)
-            if not buckets:
-                keep, comm_s = await loop.run_in_executor(None, functools.partial(
+            if msg.shared:
+                mapped = weight_sync.map_buckets(msg.shared)
+            else:
+                flat, comm_s = await loop.run_in_executor(None, functools.partial(
                     weight_sync.receive_flat, self.job_group, manifest, msg.sender, WEIGHT_RECV_TIMEOUT_S, shared=True))
-                buckets = weight_sync.share_buffer(manifest, keep)
+                mapped = weight_sync.buckets(weight_sync.unpack(manifest, flat), manifest.bucket_bytes)
                 for peer in msg.relay_to:  # before loading here: the node's engines load in parallel
-                    self.mailbox.post(peer, LoadWeights(manifest.to_json(), sender=self.rank, shared=buckets))
+                    self.mailbox.post(peer, LoadWeights(manifest.to_json(), sender=self.rank,
+                                                        shared=weight_sync.bucket_handles(manifest, flat)))
             t0 = time.perf_counter()
-            # What a replacement engine starts from. The buffer is the sender's (kept until it
-            # sends a newer version) or, on a relay, this rank's own (kept until the next one).
-            self._last_weights = (manifest.version, buckets, keep)
+            # Held until the next version: a replacement engine loads them again, and holding
+            # them keeps their shared memory alive after the sender lets go.
+            self._last_weights = (manifest.version, mapped)
             try:
-                await self.engine.load_serialized(buckets, manifest.version)
+                await self.engine.load_serialized(weight_sync.serialize_buckets(mapped), manifest.version)
             except RuntimeError:
                 if not self.engine.died:
                     raise

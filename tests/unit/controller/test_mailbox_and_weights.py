@@ -19,6 +19,7 @@ from tide_megatron.comm.weight_sync import (
     WeightManifest,
     WeightSender,
     WeightSet,
+    bucket_handles,
     buckets,
     pack,
     receive_flat,
@@ -128,7 +129,8 @@ def test_shared_buckets_reach_an_unrelated_process_by_handle_not_by_copy(tmp_pat
     """What an engine's scheduler gets: a few hundred bytes per bucket naming a /dev/shm file,
     which a process of the node maps to the very tensors the sender wrote."""
     named = [("big.weight", torch.randn(512, 512)), ("small.bias", torch.randn(7)), ("last", torch.arange(6.0))]
-    manifest, handles, flat = share_named(named, version=3, bucket_bytes=1 << 20)
+    manifest, flat = share_named(named, version=3, bucket_bytes=1 << 20)
+    handles = bucket_handles(manifest, flat)
     assert flat.is_shared() and len(handles) == 2  # the 1 MiB matrix alone, then the two small ones
     assert all(len(h) < 4096 for h in handles)  # handles, not data (the matrix alone is 1 MiB)
     script = (
@@ -143,6 +145,11 @@ def test_shared_buckets_reach_an_unrelated_process_by_handle_not_by_copy(tmp_pat
     assert proc.returncode == 0, proc.stderr
     got = eval(proc.stdout)
     assert got == [(n, float(t.double().sum()), list(t.shape)) for n, t in named]
+    # Each opening takes one reference: a second process with handles of its own still finds the
+    # buffer (one set of handles opened twice would drop the buffer's last reference early).
+    again = subprocess.run([sys.executable, "-c", script], input="\n".join(bucket_handles(manifest, flat)),
+                           capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert again.returncode == 0 and eval(again.stdout) == got, again.stderr
     assert WeightManifest.from_json(manifest.to_json()).bucket_bytes == 1 << 20
 
 

@@ -31,6 +31,7 @@ class FakeMailbox:
 class FakeEngine:
     def __init__(self):
         self.cfg = types.SimpleNamespace(max_total_tokens=1000, max_running_requests=8, use_sessions=True)
+        self.kv_tokens, self.request_rows = 1000, 8  # what SGLang allocated
         self.loop = asyncio.new_event_loop()
         self.died = False
         self.closed_sessions = []
