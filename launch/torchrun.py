@@ -44,6 +44,7 @@ from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 LAUNCH_ID_ENV = "TIDE_LAUNCH_ID"
+SHM_MANAGER = "torch_shm_manager"
 _NODE_OPTIONS = ("standalone", "rdzv_endpoint", "rdzv_conf", "local_addr")
 
 
@@ -128,18 +129,42 @@ def describe_failures(exc) -> str:
     return "launch/torchrun.py: the job failed: " + ", then ".join(parts) + "; each rank's line above says why"
 
 
-def reap_leftovers(launch_id: str) -> int:
-    """Kill every process (but this one) whose environment carries `launch_id`; returns how many."""
+def reap_leftovers(launch_id: str, grace_s: float = 10.0) -> int:
+    """Kill every process (but this one) whose environment carries `launch_id`; returns how many.
+
+    torch's shared-memory managers (`torch_shm_manager`, started by the weight sync's shared
+    buckets) go last and get `grace_s` to exit by themselves: each unlinks the /dev/shm files
+    its processes left behind (a killed SGLang scheduler never drops its mapping) once they are
+    all gone, which a SIGKILL would prevent."""
     import psutil
 
-    killed = 0
-    for proc in psutil.process_iter():
+    def ours() -> list:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def is_shm_manager(proc) -> bool:
         try:
-            if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id:
+            return proc.name() == SHM_MANAGER
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+    killed = 0
+    for last in (False, True):
+        procs = [p for p in ours() if is_shm_manager(p) == last]
+        if last and procs:
+            _, procs = psutil.wait_procs(procs, timeout=grace_s)
+        for proc in procs:
+            try:
                 proc.kill()
                 killed += 1
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
     return killed
 
 
