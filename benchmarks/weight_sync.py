@@ -40,12 +40,14 @@ sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 import bench_record  # noqa: E402
 
 MODELS = {
-    # The tiny CPU recipe's model.
-    "tiny": dict(vocab_size=3072, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 ffn_hidden_size=128),
-    # A ~0.45B Qwen2-shaped model (the tiny vocabulary keeps the engines' KV and logits small).
-    "0.5b": dict(vocab_size=3072, hidden_size=1024, num_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                 ffn_hidden_size=2816, max_position_embeddings=1024),
+    # The tiny CPU recipe's model, fp32.
+    "tiny": (dict(vocab_size=3072, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  ffn_hidden_size=128), "float32"),
+    # A ~0.45B Qwen2-shaped model (the tiny vocabulary keeps the engines' KV and logits small), in
+    # bf16 as GPU recipes send it: in fp32 the earlier path's copies (rank 0's buffer, each
+    # receiver's buffer and its copy for SGLang, each engine's weights) overran 24 GB at 3 engines.
+    "0.5b": (dict(vocab_size=3072, hidden_size=1024, num_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                  ffn_hidden_size=2816, max_position_embeddings=1024), "bfloat16"),
 }
 PROMPT = list(range(10, 42))  # every engine's fingerprint of its weights: greedy log-probs after it
 
@@ -61,8 +63,10 @@ def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
     if rank:
         from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-        engine = RolloutEngine(RolloutEngineConfig(max_total_tokens=2048, max_running_requests=8, seed=rank), ckpt)
-    base = list(load_hf_state_dict(ckpt).items()) if rank == 0 else None
+        engine = RolloutEngine(RolloutEngineConfig(max_total_tokens=2048, max_running_requests=8, seed=rank,
+                                                   dtype=args.dtype), ckpt)
+    dtype = getattr(torch, args.dtype)
+    base = [(n, t.to(dtype)) for n, t in load_hf_state_dict(ckpt).items()] if rank == 0 else None
     dist.barrier()
     runs = []
     version = 0
@@ -73,11 +77,13 @@ def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
         for rep in range(args.reps):
             order = ("relay", "shared") if rep % 2 == 0 else ("shared", "relay")
             prints = {}
+            if rank == 0:  # new weights for this pair, in place (a second copy would cost memory)
+                for _, t in base:
+                    t.add_(1e-3)
             for path in order:
                 version += 1
                 receivers = list(range(1, engines + 1))
-                shift = (engines * 100 + rep + 1) * 1e-3  # the same weights for both paths of the pair
-                named = [(n, t + shift) for n, t in base] if rank == 0 else None
+                named = base  # the same weights for both paths of the pair
                 dist.barrier()
                 t0 = time.perf_counter()
                 keep = _sync(rank, path, named, version, receivers, engine, args.bucket_mb << 20)
@@ -168,9 +174,9 @@ def run_model(name: str, args) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="tide-wsync-") as tmp:
         tok = write_tokenizer(os.path.join(tmp, "tok"), kind="tiny_bpe")
-        ckpt = write_random_hf_checkpoint(os.path.join(tmp, "hf"), ModelConfig(**MODELS[name]), seed=0, tokenizer_dir=tok)
+        ckpt = write_random_hf_checkpoint(os.path.join(tmp, "hf"), ModelConfig(**MODELS[name][0]), seed=0, tokenizer_dir=tok)
         out_path = os.path.join(tmp, "out.pt")
-        args.model = name
+        args.model, args.dtype = name, MODELS[name][1]
         world = 1 + max(args.engines)
         torch.multiprocessing.spawn(_worker, args=(world, free_port(), args, ckpt, out_path), nprocs=world, join=True)
         return torch.load(out_path, weights_only=False)
@@ -180,7 +186,7 @@ def summarise(name: str, result: dict) -> list[dict]:
     rows = []
     gb = result["model_bytes"] / 1e9
     for engines in sorted({r["engines"] for r in result["runs"]}):
-        row = {"model": name, "model_gb": round(gb, 3), "engines": engines}
+        row = {"model": name, "dtype": MODELS[name][1], "model_gb": round(gb, 3), "engines": engines}
         for path in ("relay", "shared"):
             secs = [r["seconds"] for r in result["runs"] if r["engines"] == engines and r["path"] == path]
             row[f"{path}_s"] = statistics.median(secs)

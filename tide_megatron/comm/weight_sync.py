@@ -80,7 +80,8 @@ class WeightManifest:
 
 def pack(named: list[tuple[str, torch.Tensor]], version: int,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[WeightManifest, torch.Tensor]:
-    """Flatten HF-named tensors into one contiguous host buffer (what gloo sends to a relay)."""
+    """Flatten HF-named tensors into one contiguous host buffer (`share_named`'s layout, in
+    private memory: the earlier path's buffer, kept for comparison in the benchmark)."""
     manifest = manifest_of(named, version, bucket_bytes)
     return manifest, torch.cat([t.detach().reshape(-1).to("cpu") for _, t in named])
 
@@ -105,7 +106,7 @@ class Send:
     work: Any
     started: float
     keep: Any = None
-    """What the receiver reads besides the work's buffer: the shared buckets it loads from."""
+    """The buffer the receiver reads (the shared one it maps, or the one gloo sends)."""
 
 
 def share_named(named: list[tuple[str, torch.Tensor]], version: int,
@@ -189,23 +190,19 @@ def map_buckets(handles: list[str]) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 class WeightSet:
-    """One version of the actor's weights on the sender, in the forms its receivers need: the
-    shared buckets (same node) and the packed buffer (relays on other nodes), each made once."""
+    """One version of the actor's weights on the sender: HF-named tensors until `shared()` first
+    copies them into one shared-memory buffer, which both paths use (its layout is `pack`'s, so
+    a relay is sent the same buffer that the sender's node maps)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.named, self.version, self.bucket_bytes = named, version, bucket_bytes
         self._shared: tuple[WeightManifest, torch.Tensor] | None = None
-        self._packed: tuple[WeightManifest, torch.Tensor] | None = None
 
     def shared(self) -> tuple[WeightManifest, torch.Tensor]:
         if self._shared is None:
             self._shared = share_named(self.named, self.version, self.bucket_bytes)
+            self.named = []  # the sends keep the buffer only (on GPU the gathered tensors free GPU memory)
         return self._shared
-
-    def packed(self) -> tuple[WeightManifest, torch.Tensor]:
-        if self._packed is None:
-            self._packed = pack(self.named, self.version, self.bucket_bytes)
-        return self._packed
 
 
 def route(receivers: Iterable[int], node_of: Callable[[int], int], sender_node: int) -> tuple[list[int], dict[int, list[int]]]:
@@ -233,15 +230,14 @@ class WeightSender:
     def send(self, weights: WeightSet, receivers: Iterable[int]) -> list[Send]:
         """Start delivering `weights` to each receiver; returns at once."""
         local, relays = route(receivers, self.node_of, self.node_of(self.rank))
+        if not local and not relays:
+            return []
+        manifest, flat = weights.shared()
         out, now = [], time.monotonic()
-        if local:
-            manifest, flat = weights.shared()
-            for r in local:
-                self.mailbox.post(r, LoadWeights(manifest.to_json(), sender=self.rank,
-                                                 shared=bucket_handles(manifest, flat)))
-                out.append(Send(r, weights.version, None, now, keep=weights))
+        for r in local:
+            self.mailbox.post(r, LoadWeights(manifest.to_json(), sender=self.rank, shared=bucket_handles(manifest, flat)))
+            out.append(Send(r, weights.version, None, now, keep=flat))
         for relay, peers in relays.items():
-            manifest, flat = weights.packed()
             work = self.group.send([flat], relay, manifest.version)
             self.mailbox.post(relay, LoadWeights(manifest.to_json(), sender=self.rank, relay_to=peers))
             out.append(Send(relay, weights.version, work, now, keep=flat))
