@@ -34,8 +34,11 @@ that wakes up late still finds its send pending and completes it; the tag keeps 
 
 from __future__ import annotations
 
+import atexit
 import base64
+import contextlib
 import io
+import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -128,7 +131,33 @@ def shared_empty(manifest: WeightManifest) -> torch.Tensor:
     the node can map (torch's `file_system` sharing: by /dev/shm file name; the default passes
     file descriptors through the owner's resource sharer, which reaches its own children only)."""
     torch.multiprocessing.set_sharing_strategy("file_system")
-    return torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype]).share_memory_()
+    flat = torch.empty(manifest.numel, dtype=_DTYPES[manifest.dtype]).share_memory_()
+    _created_here(flat)
+    return flat
+
+
+_CREATED: list[str] = []
+
+
+def _created_here(flat: torch.Tensor) -> None:
+    """Remember the /dev/shm file behind `flat`, to unlink at this process's exit. torch unlinks
+    it when its last mapping closes, but a process killed while it maps a buffer (an SGLang
+    scheduler) never closes it, and the cleanup by torch's shared-memory manager is lost when
+    the manager itself is killed (SGLang's engine shutdown kills every child of its process)."""
+    if not _CREATED:
+        atexit.register(_unlink_created)
+    _CREATED[:] = [name for name in _CREATED if os.path.exists(_shm_path(name))]  # gone already: forget
+    _CREATED.append(flat.untyped_storage()._share_filename_cpu_()[1].decode())
+
+
+def _shm_path(name: str) -> str:
+    return os.path.join("/dev/shm", name.lstrip("/"))
+
+
+def _unlink_created() -> None:
+    for name in _CREATED:
+        with contextlib.suppress(OSError):
+            os.unlink(_shm_path(name))
 
 
 def bucket_handles(manifest: WeightManifest, flat: torch.Tensor) -> list[str]:

@@ -3,6 +3,7 @@ transfer, where a receiver that never receives holds up no one."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -151,6 +152,31 @@ def test_shared_buckets_reach_an_unrelated_process_by_handle_not_by_copy(tmp_pat
                            capture_output=True, text=True, timeout=120, start_new_session=True)
     assert again.returncode == 0 and eval(again.stdout) == got, again.stderr
     assert WeightManifest.from_json(manifest.to_json()).bucket_bytes == 1 << 20
+
+
+def test_no_shared_buffer_outlives_its_creator_even_when_a_reader_was_killed(tmp_path):
+    """A process that mapped a buffer and was SIGKILLed (an SGLang scheduler) never drops its
+    reference, and SGLang's engine shutdown kills torch's shared-memory manager (a child of the
+    process) that would clean up after it; the buffer's file is still unlinked when the process
+    that made it exits."""
+    script = (
+        "import signal, subprocess, sys, time, torch\n"
+        "from tide_megatron.comm import weight_sync as w\n"
+        "m, flat = w.share_named([('a', torch.ones(1000))], 1, 1 << 20)\n"
+        "print(w._CREATED[-1], flush=True)\n"
+        "reader = subprocess.Popen([sys.executable, '-c', 'import base64, pickle, sys, time, torch; '\n"
+        "    'x = pickle.loads(base64.b64decode(sys.stdin.readline())); print(1, flush=True); time.sleep(60)'],\n"
+        "    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+        "reader.stdin.write(w.bucket_handles(m, flat)[0] + '\\n'); reader.stdin.flush()\n"
+        "assert reader.stdout.readline().strip() == '1'\n"
+        "reader.send_signal(signal.SIGKILL); reader.wait()\n"
+        "import psutil\n"  # as SGLang's engine shutdown does: every child goes, torch's shm manager too
+        "for child in psutil.Process().children(recursive=True): child.kill()\n"
+        "del flat\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    name = proc.stdout.split()[0]
+    assert not os.path.exists(os.path.join("/dev/shm", name.lstrip("/")))
 
 
 def test_a_sender_stopped_between_reserving_and_writing_blocks_no_one():
