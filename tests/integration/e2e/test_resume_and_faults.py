@@ -173,15 +173,21 @@ def _interrupted(tmp_path: Path) -> str:
     return f"run.resume_from={step}"
 
 
-@pytest.mark.parametrize("make,message", [
-    (_bad_model, "model.path='{d}/model': config.json is not valid JSON (line 3, column 5"),
-    (_file, "run.resume_from='{d}/ckpt.pt' is a file, expected a checkpoint directory"),
-    (_interrupted, "run.resume_from='{d}/step_000002': checkpoint {d}/step_000002 is incomplete: no manifest.json"),
-    (lambda d: "run.resume=maybe", "run.resume='maybe': expected one of ('auto', 'true', 'false')"),
+@pytest.mark.parametrize("make,message,before_start", [
+    (_bad_model, "model.path='{d}/model': config.json is not valid JSON (line 3, column 5", False),
+    (_file, "run.resume_from='{d}/ckpt.pt' is a file, expected a checkpoint directory", False),
+    (_interrupted, "run.resume_from='{d}/step_000002': checkpoint {d}/step_000002 is incomplete: no manifest.json",
+     False),
+    # A bad value is caught by the launcher's check, once, before any rank starts.
+    (lambda d: "run.resume=maybe", "run.resume='maybe': expected one of ('auto', 'true', 'false')", True),
 ])
-def test_bad_input_is_one_line_without_traceback(tmp_path, make, message):
+def test_bad_input_is_one_line_without_traceback(tmp_path, make, message, before_start):
     proc, _ = launch(f"run.output_dir={tmp_path / 'run'}", make(tmp_path), timeout=300)
     assert proc.returncode != 0
     assert message.format(d=tmp_path) in proc.stderr, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    assert "launch/torchrun.py: the job failed: rank " in proc.stderr
+    if before_start:
+        assert proc.stderr.strip() == f"launch/torchrun.py: the job cannot start: {message}"
+        assert not (tmp_path / "run" / "logs").exists()
+    else:
+        assert "launch/torchrun.py: the job failed: rank " in proc.stderr
