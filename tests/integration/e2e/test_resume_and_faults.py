@@ -187,7 +187,8 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, make, message, before
     assert message.format(d=tmp_path) in proc.stderr, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     if before_start:
-        assert proc.stderr.strip() == f"launch/torchrun.py: the job cannot start: {message}"
+        assert proc.stderr.strip().startswith(f"launch/torchrun.py: the job cannot start: {message}")
+        assert proc.stderr.strip().count("\n") == 0
         assert not (tmp_path / "run" / "logs").exists()
     else:
         assert "launch/torchrun.py: the job failed: rank " in proc.stderr
