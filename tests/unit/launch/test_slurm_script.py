@@ -65,6 +65,9 @@ def _sbatch(tmp_path: Path, *overrides: str, **env: str) -> subprocess.Completed
     log.mkdir(exist_ok=True)
     environ = dict(os.environ, PATH=f"{_fake_bin(tmp_path)}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-a[01-04]",
                    SLURM_NNODES="4", SLURM_JOB_ID="4242", FAKE_SLURM_LOG=str(log), PYTHON=sys.executable, **env)
+    for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_PORT"):  # the script's defaults
+        if name not in env:
+            environ.pop(name, None)
     return subprocess.run(["bash", str(SCRIPT), *overrides], capture_output=True, text=True, timeout=300,
                           cwd=REPO, env=environ)
 
