@@ -37,7 +37,7 @@ def to_job_config(cfg: DictConfig) -> JobConfig:
 def pop_dry_run_args(argv: list[str]) -> argparse.Namespace | None:
     """Take `--dry-run [--nnodes N] [--nproc-per-node G] [--gpu-memory-gb X]` out of `argv` (in
     place, leaving Hydra's overrides); None when `--dry-run` is not among them."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--nproc-per-node", type=int, default=8)
