@@ -46,6 +46,11 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 }
 
 
+# SGLang picks `mem_fraction_static` from the GPU's memory and its parallel sizes when a recipe
+# leaves it unset; the dry run assumes this share of an 80 GB GPU instead of guessing its rules.
+ASSUMED_MEM_FRACTION = 0.88
+
+
 def machine_from_env() -> tuple[int, int]:
     """(nodes, processes per node) of the torchrun job this process belongs to."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,7 +137,7 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
     lines.append(f"  trainer rank (TP {tr.tp_size}, PP {tr.pp_size}, recompute {tr.recompute}, micro-batch "
                  f"{tr.micro_batch_tokens} tokens in rows of {row}): {trainer.describe()}")
     dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16", "half") else 4
-    fraction = engine_cfg.mem_fraction_static or 0.88
+    fraction = engine_cfg.mem_fraction_static or ASSUMED_MEM_FRACTION
     engine = engine_memory(shape, gpu_memory_gb, engine_cfg.tp_size, dtype_bytes, fraction,
                            engine_cfg.max_total_tokens)
     lines.append(f"  rollout engine GPU (mem_fraction_static {fraction:g}): {engine.line.describe()}; "
