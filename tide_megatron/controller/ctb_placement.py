@@ -175,8 +175,8 @@ class CTBPlacement:
     @property
     def budget_tokens(self) -> dict[str, int]:
         """KV pool and CTB token budget summed over the ranks in rollout (metrics)."""
-        ranks = [r for r in self.dispatcher.policy.ranks]
-        pools = [self.dispatcher.resources.get(r, self._resources).kv_tokens or 0 for r in ranks]
+        ranks = self.dispatcher.policy.ranks  # each added with its resources (config or engine's)
+        pools = [self.dispatcher.resources[r].kv_tokens or 0 for r in ranks]
         return {"kv_pool_tokens": sum(pools),
                 "kv_budget_tokens": sum(self.dispatcher.policy.rank_usage(r)[1] for r in ranks)}
 
