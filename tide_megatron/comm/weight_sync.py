@@ -175,16 +175,24 @@ def serialize_buckets(mapped: list[list[tuple[str, torch.Tensor]]]) -> list[str]
 
 
 def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of tensors of at most `bucket_bytes` each (a larger tensor alone)."""
-    out: list[list[tuple[str, torch.Tensor]]] = []
+    """Consecutive runs of tensors of at most `bucket_bytes` each (`bucket_ranges`)."""
+    ranges = bucket_ranges([t.numel() * t.element_size() for _, t in named], bucket_bytes)
+    return [named[lo:hi] for lo, hi in ranges]
+
+
+def bucket_ranges(nbytes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of consecutive tensors of at most `bucket_bytes` together (a tensor
+    larger than that alone). The one rule for cutting weights into buckets."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    out: list[tuple[int, int]] = []
     size = bucket_bytes
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if size + nbytes > bucket_bytes or not out:
-            out.append([])
+    for i, n in enumerate(nbytes):
+        if size + n > bucket_bytes or not out:
+            out.append((i, i))
             size = 0
-        out[-1].append((name, t))
-        size += nbytes
+        out[-1] = (out[-1][0], i + 1)
+        size += n
     return out
 
 

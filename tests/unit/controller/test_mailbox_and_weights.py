@@ -12,11 +12,14 @@ from datetime import timedelta
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import Heartbeat, LoadWeights, RunTask, TaskAssignment, TrajectoryDone, WeightsLoaded
 from tide_megatron.comm.weight_sync import (
+    bucket_ranges,
     WeightManifest,
     WeightSender,
     WeightSet,
@@ -271,3 +274,15 @@ def test_a_receiver_that_never_receives_blocks_no_one():
     del sends, later  # confirmed: their buffers may go
     for group in groups.values():
         group.shutdown()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=40), st.integers(1, 8000))
+def test_buckets_cover_every_tensor_in_order_and_close_only_when_the_next_would_overflow(nbytes, bucket_bytes):
+    ranges = bucket_ranges(nbytes, bucket_bytes)
+    assert [i for lo, hi in ranges for i in range(lo, hi)] == list(range(len(nbytes)))
+    for (lo, hi), nxt in zip(ranges, ranges[1:] + [None]):
+        size = sum(nbytes[lo:hi])
+        assert hi > lo and (size <= bucket_bytes or hi - lo == 1)
+        if nxt is not None:
+            assert size + nbytes[hi] > bucket_bytes
