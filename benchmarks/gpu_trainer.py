@@ -16,16 +16,19 @@ causal mask). Two workloads, each under recompute none / selective / full:
 Model FLOPs per real token: 6 x (matmul parameters, the output layer included) + 6 x layers x
 hidden x sequence length (causal attention: half of PaLM's 12 L H T, since a causal score
 matrix is half-used); MFU against `--peak-tflops` (H200 dense bf16: 989). Timings are
-CUDA-synchronised, median over `--steps` after `--warmup`. Writes
+CUDA-synchronised, median over `--steps` after `--warmup`; each configuration runs in a
+process of its own (its memory peak is its own; one that fails is recorded with its error). Writes
 benchmarks/results/gpu_trainer.json (or `--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -124,6 +127,11 @@ def run_config(args, recompute: str, kind: str) -> dict:
     return out
 
 
+def _last_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "Error" in line] or stderr.splitlines() or ["no output"]
+    return lines[-1].strip()[:400]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -137,6 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak")
     parser.add_argument("--out", default="gpu_trainer")
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # WORKLOAD:RECOMPUTE, in a child
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here (use --device cpu)")
@@ -147,20 +156,31 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from tide_megatron.models.megatron_gpt import init_parallel
 
-    init_parallel(tp_size=1, seed=0)
     try:
         import transformer_engine  # noqa: F401
         te = True
     except ImportError:
         te = False
+    if args.one:  # one configuration in this process (its own memory peak)
+        kind, recompute = args.one.split(":")
+        init_parallel(tp_size=1, seed=0)
+        print("RESULT " + json.dumps(run_config(args, recompute, kind)), flush=True)
+        return
     rows = []
     for kind in args.workloads.split(","):
         for recompute in args.recompute.split(","):
             t0 = time.perf_counter()
-            rows.append(run_config(args, recompute, kind))
+            proc = subprocess.run([sys.executable, *sys.argv, "--one", f"{kind}:{recompute}"], capture_output=True,
+                                  text=True)
+            found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            rows.append(json.loads(found[0]) if found and proc.returncode == 0 else
+                        {"workload": kind, "recompute": recompute, "error": _last_error(proc.stderr)})
             print(f"{rows[-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"{'workload':9} {'recompute':10} {'step s':>7} {'tok/s':>9} {'pad':>5} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['workload']:9} {r['recompute']:10} {r['error']}")
+            continue
         print(f"{r['workload']:9} {r['recompute']:10} {r['step_s_median']:>7} {r['tokens_per_s']:>9} "
               f"{r['padding_share']:>5} {r['tflops']:>8} {str(r['mfu']):>6} {str(r['peak_memory_gb']):>8}")
     machine = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
