@@ -31,7 +31,11 @@ def header(benchmark: str, **machine) -> dict:
 
 
 def git_state() -> dict:
-    """The commit the benchmark ran on, and whether the working tree differed from it."""
+    """The commit the benchmark ran on, and whether the working tree differed from it. Where the
+    checkout's git metadata is not the tree's own (the lent GPU machine gets a copy of the working
+    tree beside an older .git), the caller names the commit in BENCH_COMMIT, checked out clean."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "dirty": False, "commit_from": "BENCH_COMMIT"}
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
 
