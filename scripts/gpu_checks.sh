@@ -5,7 +5,8 @@
 # (default "sync trainer tests"; "ra2p" adds the RA2P micro-benchmark at the paper's size).
 # That machine has torch and transformers but no registry access: the wheels of megatron-core,
 # hydra-core, omegaconf and antlr4-python3-runtime for its Python travel in .whl/ (README).
-# Writes logs and each benchmark's JSON under ${OUT:-gpu_out}.
+# Writes logs and each benchmark's JSON under ${OUT:-gpu_out}; BENCH_COMMIT (the commit of the
+# clean tree the machine was given) goes into each result, since its copy's .git may be older.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 CHECKS=${CHECKS:-sync trainer tests}
