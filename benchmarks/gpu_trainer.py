@@ -63,7 +63,7 @@ def flops_per_token(m: dict, seq_len: float) -> float:
 
 def workload(kind: str, args, vocab: int, seed: int):
     """(trajectories, their lengths) for one step."""
-    from tide_megatron.trainer.batch import Trajectory
+    from tide_megatron.trainer.batch import TrajectoryTensors
 
     g = torch.Generator().manual_seed(seed)
     total = args.micro_batches * args.mb_tokens
@@ -80,7 +80,7 @@ def workload(kind: str, args, vocab: int, seed: int):
     for n in lengths:
         mask = torch.zeros(n)
         mask[n // 4:] = 1  # a prompt, then generated tokens
-        trajs.append(Trajectory(torch.randint(0, vocab, (n,), generator=g), mask,
+        trajs.append(TrajectoryTensors(torch.randint(0, vocab, (n,), generator=g), mask,
                                 -torch.rand(n, generator=g) * mask, float(torch.randn((), generator=g))))
     return trajs, lengths
 

@@ -77,6 +77,7 @@ def warm_start(job, out_dir: Path, steps: int, batch: int, lr: float) -> tuple[s
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    from tide_megatron.core.trajectory import Trajectory
     from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import destroy_parallel, init_parallel
     from tide_megatron.models.policy import model_config_from_checkpoint
@@ -102,7 +103,7 @@ def warm_start(job, out_dir: Path, steps: int, batch: int, lr: float) -> tuple[s
     images = TrajectoryImages.for_model(cfg, random_dir)
     action_logprob = []
     for step in range(steps):
-        mbs = pack_micro_batches([to_train_trajectory(r, images) for r in records[step * batch:(step + 1) * batch]],
+        mbs = pack_micro_batches([to_train_trajectory(Trajectory.from_tokens(**r), images) for r in records[step * batch:(step + 1) * batch]],
                                  job.trainer.micro_batch_tokens)
         for mb in mbs:  # the current policy as the old one: ratio 1, the behaviour-cloning gradient
             mb.old_logprobs = actor.logprobs(mb) * mb.loss_mask

@@ -46,7 +46,7 @@ METHODS = ("VS", "VSO", "CM", "DM")
 
 def make_micro_batches(num_mb: int, mb_tokens: int, seq_len: int, vocab: int, seed: int = 0):
     """`num_mb` micro-batches of mb_tokens // seq_len rows x seq_len tokens, half generated."""
-    from tide_megatron.trainer.batch import Trajectory, collate
+    from tide_megatron.trainer.batch import TrajectoryTensors, collate
 
     g = torch.Generator().manual_seed(seed)
     rows = max(mb_tokens // seq_len, 1)
@@ -56,7 +56,7 @@ def make_micro_batches(num_mb: int, mb_tokens: int, seq_len: int, vocab: int, se
         for _ in range(rows):
             mask = torch.zeros(seq_len)
             mask[seq_len // 2:] = 1
-            trajs.append(Trajectory(torch.randint(0, vocab, (seq_len,), generator=g), mask,
+            trajs.append(TrajectoryTensors(torch.randint(0, vocab, (seq_len,), generator=g), mask,
                                     -torch.rand(seq_len, generator=g) * mask, float(torch.randn((), generator=g))))
         out.append(collate(trajs))
     return out

@@ -45,16 +45,18 @@ MODEL_SIZES = {
 WORLD = 3
 
 
-def make_batch(seed: int, vocab: int, n: int = 8, seq_len: int = 64) -> list[dict]:
+def make_batch(seed: int, vocab: int, n: int = 8, seq_len: int = 64) -> list:
+    from tide_megatron.core.trajectory import Trajectory
+
     g = torch.Generator().manual_seed(seed)
     mask = torch.zeros(seq_len)
     mask[seq_len // 2:] = 1
-    return [{"token_ids": torch.randint(0, vocab, (seq_len,), generator=g).tolist(), "loss_mask": mask.tolist(),
-             "logprobs": (-torch.rand(seq_len, generator=g) * mask).tolist(),
-             "advantage": float(torch.randn((), generator=g))} for _ in range(n)]
+    return [Trajectory.from_tokens(torch.randint(0, vocab, (seq_len,), generator=g).tolist(), mask.tolist(),
+                                   (-torch.rand(seq_len, generator=g) * mask).tolist(),
+                                   advantage=float(torch.randn((), generator=g)), index=i) for i in range(n)]
 
 
-def spmd_step(worker, batch: list[dict], mode: str) -> None:
+def spmd_step(worker, batch: list, mode: str) -> None:
     """Every rank's part of one step, computed locally from the same global batch."""
     from tide_megatron.core.roles import Role
     from tide_megatron.trainer.assignment import split_by_dp

@@ -183,10 +183,11 @@ class Job:
 
     def _run_rank(self) -> None:
         """A rank other than 0 serves the trainer or rolls out, as its role says, and switches
-        when ERS moves it (at a post-update boundary, told by rank 0): the "roles" message that
-        ends its rollout loop is the first its trainer side handles, and a "roles" message that
+        when ERS moves it (at a post-update boundary, told by rank 0): the `SetRoles` message that
+        ends its rollout loop is the first its trainer side handles, and a `SetRoles` message that
         makes it ROLLOUT ends the trainer's. Its SGLang engine starts when it first rolls out, or
         at start-up on a trainer rank ERS may move (`ers.standby_engines`)."""
+        from tide_megatron.comm.messages import EngineStandby
         from tide_megatron.controller.trainer_roles import may_train, standby_engine_ranks
         from tide_megatron.core.roles import Role
 
@@ -198,7 +199,7 @@ class Job:
         if self.topo.rank in standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks):
             rollout = self._start_rollout()
             rollout.park()
-            self.mailbox.post(0, "engine_standby")
+            self.mailbox.post(0, EngineStandby())
         while True:
             if trainer is None or trainer.role is Role.ROLLOUT:
                 rollout = rollout or self._start_rollout()

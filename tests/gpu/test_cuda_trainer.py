@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     from tide_megatron.models.hf_checkpoint import load_hf_model, write_random_hf_checkpoint
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.trainer.actor import MegatronActor
-    from tide_megatron.trainer.batch import Trajectory, collate
+    from tide_megatron.trainer.batch import TrajectoryTensors, collate
     from tide_megatron.trainer.config import TrainerConfig
     from tide_megatron.trainer.logprobs import logprobs_from_logits
     hf_dir = write_random_hf_checkpoint(sys.argv[1], ModelConfig(vocab_size=2048), seed=0)
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     actor = MegatronActor(ModelConfig.from_hf_checkpoint(hf_dir), TrainerConfig(lr=1e-3), hf_dir)
     ids = torch.randint(0, 2048, (32,))
     mask = torch.zeros(32); mask[10:] = 1
-    mb = collate([Trajectory(ids, mask, torch.zeros(32), advantage=1.0)])
+    mb = collate([TrajectoryTensors(ids, mask, torch.zeros(32), advantage=1.0)])
     ours = actor.logprobs(mb)[0].float().cpu()
     hf = load_hf_model(hf_dir).cuda()
     with torch.no_grad():

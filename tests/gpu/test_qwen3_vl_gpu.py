@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent("""
     torch.backends.cudnn.allow_tf32 = False  # the patch embedding is a convolution: keep it fp32
     torch.backends.cuda.matmul.allow_tf32 = False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from tide_megatron.core.trajectory import Trajectory
     from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.policy import banned_token_ids
@@ -54,7 +55,7 @@ SCRIPT = textwrap.dedent("""
               "advantage": 1.0, "images": images}
     init_parallel(tp_size=1, seed=0)
     vision = TrajectoryImages.for_model(cfg, path)
-    traj = to_train_trajectory(record, vision)
+    traj = to_train_trajectory(Trajectory.from_tokens(**record), vision)
     mb = collate([traj])
     actor = MegatronActor(cfg, TrainerConfig(lr=1e-3, kl_coef=0.0), path)
     ours = actor.logprobs(mb)[0].float().cpu()

@@ -1,8 +1,8 @@
 """Control messages between the rank-0 controller and the other ranks.
 
-Messages are small JSON documents (task assignments, finished trajectories, commands)
-kept in torch.distributed's key-value store, the one torchrun already hosts for
-rendezvous. A mailbox is an append-only queue per destination: `post` takes a slot
+Messages are typed (`messages.py`), each one small JSON document (task assignments, finished
+trajectories, commands) kept in torch.distributed's key-value store, the one torchrun already
+hosts for rendezvous. A mailbox is an append-only queue per destination: `post` takes a slot
 number with the store's atomic `add` and writes the message under it; the owner reads
 slots in order and deletes them. Nothing blocks a sender, which is what lets rollout
 ranks stream trajectories while the trainer trains. Weights never travel this way:
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Union
+from typing import Any
 
-from tide_megatron.comm.messages import _KINDS, Message, decode
+from tide_megatron.comm.messages import Message, decode
 
 CONTROLLER = 0
 
@@ -43,25 +43,18 @@ class Mailbox:
     def _count_key(self, dest: int) -> str:
         return f"{self._prefix}/{dest}/n"
 
-    def post(self, dest: int, message: Union[Message, str], **payload: Any) -> None:
-        """Append a message to `dest`'s queue. Never blocks on the receiver.
-
-        `message` is a typed `Message` (see `messages.py`), or a kind string with keyword
-        payload for the trainer's own messages."""
-        if isinstance(message, Message):
-            payload, kind = message.to_wire(), message.KIND
-        elif message in _KINDS:
-            raise TypeError(f"{message!r} is a typed message: post a {_KINDS[message].__name__} instance")
-        else:
-            kind = message
+    def post(self, dest: int, message: Message) -> None:
+        """Append a typed message (`messages.py`) to `dest`'s queue. Never blocks on the receiver."""
+        if not isinstance(message, Message) or not message.KIND:
+            raise TypeError(f"post a typed message of comm/messages.py, not {message!r}")
+        payload, kind = message.to_wire(), message.KIND
         body = json.dumps({"kind": kind, "src": self.owner, **payload}, separators=(",", ":"), allow_nan=False)
         with self._lock:
             slot = self._store.add(self._count_key(dest), 1) - 1
             self._store.set(f"{self._prefix}/{dest}/{slot}", body)
 
-    def poll(self, limit: int = 1 << 30) -> list[Union[Message, dict[str, Any]]]:
-        """Read the messages posted to this owner since the last poll, in order: typed
-        messages for the kinds of `messages.py`, plain dicts for the others."""
+    def poll(self, limit: int = 1 << 30) -> list[Message]:
+        """Read the messages posted to this owner since the last poll, in order."""
         with self._lock:
             available = self._store.add(self._count_key(self.owner), 0)
             self._pending.extend(range(self._next, available))
@@ -97,5 +90,5 @@ class Mailbox:
     def _read(self, slot: int, out: list) -> None:
         key = self._key(slot)
         data = json.loads(self._store.get(key))
-        out.append(decode(data) if data.get("kind") in _KINDS else data)
+        out.append(decode(data))
         self._store.delete_key(key)

@@ -1,4 +1,4 @@
-"""Typed control messages between the rank-0 controller and the rollout ranks: both ends here.
+"""Typed control messages between the rank-0 controller and every other rank: both ends here.
 
 Every message is a dataclass with a wire `KIND`; the mailbox turns it into one small JSON
 document and back (`to_wire` / `decode`), and sets `src` on the receiving side. A sender
@@ -326,3 +326,138 @@ class WeightsLoaded(Message):
     load_s: float = 0.0
     busy_s: float = 0.0
     idle_s: float = 0.0
+
+
+# ---------------------------------------------------------------- controller -> trainer ranks
+# Rank 0 runs its own trainer share by direct calls; every other rank in a trainer role serves
+# these in the order they were posted (`trainer/worker.py`), so the collectives they start
+# (gradient all-reduce, TP gathers, state transfers, checkpoints) line up on every rank.
+@dataclass
+class OpenStep(Message):
+    """Train one step in RA2P `mode` ("colocated" or "decoupled") on `num_micro_batches`
+    micro-batches, which follow as `TrainMicroBatch`; answer `Trained`. 0 micro-batches: the
+    rank still joins the step's gradient all-reduce."""
+
+    KIND: ClassVar[str] = "step"
+    mode: str
+    num_micro_batches: int
+
+
+def _trajectories(items: list[Any]) -> list[Trajectory]:
+    return [t if isinstance(t, Trajectory) else Trajectory.from_json(t) for t in items]
+
+
+@dataclass
+class TrainMicroBatch(Message):
+    """The next micro-batch of the open step: whole trajectories, which the rank collates."""
+
+    KIND: ClassVar[str] = "mb"
+    trajectories: list[Trajectory]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"trajectories": [t.to_json() for t in self.trajectories]}
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "TrainMicroBatch":
+        return cls(_trajectories(payload["trajectories"]))
+
+
+@dataclass
+class OpenRefStep(Message):
+    """Serve the reference log-probs of one decoupled step: for each actor DP rank routed to this
+    reference rank, how many micro-batches (`RefMicroBatch`) it will get; answer `RefDone`."""
+
+    KIND: ClassVar[str] = "ref_step"
+    num_micro_batches: dict[int, int]
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "OpenRefStep":  # JSON object keys are strings
+        return cls({int(dp): int(n) for dp, n in payload["num_micro_batches"].items()})
+
+
+@dataclass
+class RefMicroBatch(Message):
+    """DP rank `dp`'s next micro-batch, for its reference log-probs."""
+
+    KIND: ClassVar[str] = "ref_mb"
+    dp: int
+    trajectories: list[Trajectory]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dp": self.dp, "trajectories": [t.to_json() for t in self.trajectories]}
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "RefMicroBatch":
+        return cls(int(payload["dp"]), _trajectories(payload["trajectories"]))
+
+
+@dataclass
+class SetRoles(Message):
+    """The trainer configuration from now on (`trainer.assignment.TrainerAssignment`, whose
+    layout every rank knows); answer `RolesDone`. A rollout rank reading it joins the trainer."""
+
+    KIND: ClassVar[str] = "roles"
+    actor_blocks: int
+    ref_ranks: list[int]
+    actors_hold_ref: bool
+
+
+@dataclass
+class PushWeights(Message):
+    """Join the TP gather of the actor's weights for version `version` (actor DP rank 0's TP
+    peers; rank 0 sends what the gather leaves it)."""
+
+    KIND: ClassVar[str] = "push_weights"
+    version: int
+
+
+@dataclass
+class SaveCheckpoint(Message):
+    """Join the actors' checkpoint save (collective over the actor ranks)."""
+
+    KIND: ClassVar[str] = "save"
+
+
+@dataclass
+class LoadCheckpoint(Message):
+    """Join the actors' checkpoint load: `path`, or the latest under the checkpoint root."""
+
+    KIND: ClassVar[str] = "load"
+    path: Optional[str] = None
+
+
+# ---------------------------------------------------------------- trainer ranks -> controller
+@dataclass
+class Trained(Message):
+    """An actor rank's step is done: the actor's `StepResult` and the executor's `StepReport`,
+    as their `asdict` forms."""
+
+    KIND: ClassVar[str] = "trained"
+    step: int
+    result: dict[str, Any]
+    report: dict[str, Any]
+
+
+@dataclass
+class RefDone(Message):
+    """A reference rank served its step: its `StepReport` and the costs it measured."""
+
+    KIND: ClassVar[str] = "ref_done"
+    report: dict[str, Any]
+    costs: dict[str, float]
+
+
+@dataclass
+class RolesDone(Message):
+    """A rank applied `SetRoles`: its role now and the seconds each part of the change took."""
+
+    KIND: ClassVar[str] = "roles_done"
+    role: str
+    times: dict[str, float]
+
+
+@dataclass
+class EngineStandby(Message):
+    """A trainer rank started its standby rollout engine (ERS) and parked it."""
+
+    KIND: ClassVar[str] = "engine_standby"

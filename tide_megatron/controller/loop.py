@@ -34,7 +34,7 @@ import time
 from typing import Any, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import STOP_GRACE_S, Stop, Stopped
+from tide_megatron.comm.messages import STOP_GRACE_S, EngineStandby, SaveCheckpoint, Stop, Stopped
 from tide_megatron.comm.weight_sync import WeightSender, WeightSet
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
@@ -141,7 +141,7 @@ class Controller:
             self._open_ers_window()
             standby = standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks)
             if standby:  # the first step's trainer ranks are not still starting an engine
-                self.trainer.take("engine_standby", len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
+                self.trainer.take(EngineStandby, len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
             loan = self.roles.cold_start()  # preemptive maximal rollout, until the first data is ready
             if self.version > 0 or loan:  # resumed: the engines still hold the initial weights; lent
                 # ranks enter rollout service with these weights
@@ -297,7 +297,7 @@ class Controller:
             return 0.0
         t0 = time.perf_counter()
         for rank in self.trainer_rank.assignment.actor_ranks[1:]:  # the actors now (ERS may have moved them)
-            self.mailbox.post(rank, "save")
+            self.mailbox.post(rank, SaveCheckpoint())
         state = run_state.capture(self).to_json()  # saved with the weights, before `latest` moves
         self.metrics.write(f"checkpoint: {self.trainer_rank.save(run_state=state)}")
         return time.perf_counter() - t0

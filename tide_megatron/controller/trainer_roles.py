@@ -12,9 +12,9 @@ it out:
    afresh elsewhere. Rank 0 waits for its `AllCancelled` (a turn in flight ends first; an env
    step in flight does not hold it up, its result comes with the session); this drain is the
    move's share of the critical path on the rollout side.
-2. Every rank whose trainer role changes gets the new `TrainerAssignment` ("roles",
+2. Every rank whose trainer role changes gets the new `TrainerAssignment` (`SetRoles`,
    `trainer.step_feed.post_roles`); rank 0 applies it itself (`TrainerWorker.apply`), the
-   others answer "roles_done" with the seconds each part took. A joining actor receives the
+   others answer `RolesDone` with the seconds each part took. A joining actor receives the
    weights and optimizer state from a current one over the new DP group; a leaving actor drops
    its state (its DP peers hold the same); a reference is built from the initial checkpoint or
    restored from host memory, and parked when released. No process group is created
@@ -59,6 +59,7 @@ import time
 from typing import Optional
 
 from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import RolesDone
 from tide_megatron.comm.topology import Topology
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
@@ -267,7 +268,7 @@ class TrainerRoles:
         for r in leaving:  # before the sync: they receive its weights
             self.rollout.call(lambda r=r: self.rollout.return_to_rollout(r))
         mine = self.worker.apply(new)
-        replies = self._take("roles_done", len(affected) - 1, timeout_s=ROLES_TIMEOUT_S)
+        replies = self._take(RolesDone, len(affected) - 1, timeout_s=ROLES_TIMEOUT_S)
         critical = time.perf_counter() - started
         self.plan = goes_on
         self.changes += 1
@@ -276,7 +277,7 @@ class TrainerRoles:
         logger.info("step %d: roles -> %d actor DP rank(s), reference ranks %s, rollout %s (%s); %.2f s",
                     step, new.dp_size, list(new.ref_ranks) or "none (actors hold it)",
                     [r for r in range(self.world) if r not in after], plan.reason, critical)
-        slowest = max([mine.get("total_s", 0.0)] + [r["times"].get("total_s", 0.0) for r in replies])
+        slowest = max([mine.get("total_s", 0.0)] + [r.times.get("total_s", 0.0) for r in replies])
         return {**out, "ers/changes": float(self.changes), "ers/moves": float(self.moves),
                 "ers/trainer_ranks": float(len(after)), "ers/trainer_ranks_ref": float(len(new.ref_ranks)),
                 "ers/role_change_s": critical, "ers/role_change_drain_s": drain_s,

@@ -20,9 +20,10 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import Message, RefDone
 from tide_megatron.comm.topology import Topology
 from tide_megatron.controller.modes import ModePolicy
 from tide_megatron.core.buffer import CompletedGroup, Trajectory
@@ -32,6 +33,7 @@ from tide_megatron.trainer.step_feed import StepFeed
 from tide_megatron.trainer.worker import TrainerWorker
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 
 COLD_START_TPRM_S = 60.0  # no arrival history yet: assume sparse arrivals (the paper's cold start)
 REPLY_TIMEOUT_S = 3600.0
@@ -63,24 +65,17 @@ class StepOutcome:
         return self.assignment.dp_size if self.assignment is not None else 1
 
 
-def _trajectory_json(t: Trajectory) -> dict[str, Any]:
-    data = {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs, "advantage": t.advantage}
-    if t.images:  # a vision-language policy's observations: the trainer re-reads the images
-        data.update(group_id=t.group_id, index=t.index, images=t.images, image_grid_thw=t.image_grid_thw)
-    return data
-
-
 class _OpenStep:
     """One step's feed and where its late groups go (DP rank -> late slots left, tokens)."""
 
     def __init__(self, feed: StepFeed, late: dict[int, int], tokens: dict[int, int]):
         self.feed, self.late, self.tokens = feed, late, tokens
 
-    def put_late(self, payload: list[dict[str, Any]]) -> None:
+    def put_late(self, trajectories: list[Trajectory]) -> None:
         dp = min((d for d, n in self.late.items() if n > 0), key=lambda d: (self.tokens[d], d))
         self.late[dp] -= 1
-        self.tokens[dp] += sum(len(t["token_ids"]) for t in payload)
-        self.feed.put(dp, payload)
+        self.tokens[dp] += sum(len(t.token_ids) for t in trajectories)
+        self.feed.put(dp, trajectories)
 
 
 class TrainerDriver:
@@ -134,7 +129,7 @@ class TrainerDriver:
 
         def on_group(group: CompletedGroup) -> None:  # the rollout thread, as each group completes
             consumed.append(group)
-            step.put_late([_trajectory_json(t) for t in group.trajectories])
+            step.put_late(group.trajectories)
 
         if late > 0:
             stream_into(step.feed.local_source, late, on_group)
@@ -147,10 +142,10 @@ class TrainerDriver:
         """Plan the ready backlog over the DP ranks, open the step on every trainer-side rank
         and route the backlog; `late` more micro-batches (one per group) are to come."""
         dp_size = self.assignment.dp_size
-        payload = {t.trajectory_id: _trajectory_json(t) for t in trajs}
-        lengths = {tid: len(p["token_ids"]) for tid, p in payload.items()}
+        by_id = {t.trajectory_id: t for t in trajs}
+        lengths = {tid: len(t.token_ids) for tid, t in by_id.items()}
         plan = plan_microbatches(lengths, dp_size, mode, self.cfg.ra2p.cost_model)
-        per_dp = [[[payload[k] for k in mb.shards[d]] for mb in plan.micro_batches if mb.shards[d]]
+        per_dp = [[[by_id[k] for k in mb.shards[d]] for mb in plan.micro_batches if mb.shards[d]]
                   for d in range(dp_size)]
         late_slots = {d: late // dp_size + (d < late % dp_size) for d in range(dp_size)}
         feed = StepFeed(self.mailbox, self.assignment, mode.value,
@@ -160,7 +155,7 @@ class TrainerDriver:
         for d, micro_batches in enumerate(per_dp):
             for mb in micro_batches:
                 feed.put(d, mb)
-        tokens = {d: sum(len(t["token_ids"]) for mb in per_dp[d] for t in mb) for d in range(dp_size)}
+        tokens = {d: sum(len(t.token_ids) for mb in per_dp[d] for t in mb) for d in range(dp_size)}
         return _OpenStep(feed, late_slots, tokens)
 
     def _run(self, mode: RA2PMode, step: _OpenStep):
@@ -168,19 +163,19 @@ class TrainerDriver:
         result, report = self.worker.run_step(mode.value, step.feed.local_source)
         for kind, ranks in step.feed.replies_expected().items():
             replies = self.take(kind, len(ranks), timeout_s=REPLY_TIMEOUT_S)
-            if kind == "ref_done":
+            if kind is RefDone:
                 for done in replies:
-                    self.meter.merge({k: v for k, v in done["costs"].items() if k == "ref_fwd"})
+                    self.meter.merge({k: v for k, v in done.costs.items() if k == "ref_fwd"})
         return result, report, step.feed.local_source.waited_s
 
     # -- replies of the other trainer-side ranks --------------------------------------------
-    def take(self, kind: str, count: int, timeout_s: float) -> list[Any]:
-        """`count` messages of `kind` (dict messages of the trainer ranks, or a typed kind)."""
-        got: list[Any] = []
+    def take(self, kind: type[M], count: int, timeout_s: float) -> list[M]:
+        """`count` messages of type `kind`, from the trainer-side ranks."""
+        got: list[M] = []
         deadline = time.monotonic() + timeout_s
         while len(got) < count:
             for msg in list(self._stash):
-                if _kind(msg) == kind and len(got) < count:
+                if isinstance(msg, kind) and len(got) < count:
                     self._stash.remove(msg)
                     got.append(msg)
             if len(got) >= count:
@@ -190,23 +185,9 @@ class TrainerDriver:
             except queue.Empty:
                 self._health()
                 if time.monotonic() > deadline:
-                    raise TrainingError(f"timed out after {timeout_s:.0f} s waiting for {count} '{kind}' "
+                    raise TrainingError(f"timed out after {timeout_s:.0f} s waiting for {count} {kind.__name__} "
                                         f"message(s), got {len(got)}") from None
                 continue
             self._stash.append(msg)
         return got
 
-    def drain(self, kind: str) -> list[Any]:
-        """Every message of `kind` that has arrived, without waiting."""
-        while True:
-            try:
-                self._stash.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        out = [m for m in self._stash if _kind(m) == kind]
-        self._stash = [m for m in self._stash if _kind(m) != kind]
-        return out
-
-
-def _kind(msg: Any) -> str:
-    return msg["kind"] if isinstance(msg, dict) else msg.KIND

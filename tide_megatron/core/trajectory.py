@@ -116,6 +116,19 @@ class Trajectory:
         if self.segments and min(s.version for s in self.segments) != self.policy_version:
             raise ValueError(f"trajectory {self.trajectory_id}: policy_version is not its oldest segment's")
 
+    @classmethod
+    def from_tokens(cls, token_ids: list[int], loss_mask: list[float], logprobs: list[float],
+                    advantage: Optional[float] = None, group_id: Hashable = "g", index: int = 0,
+                    **fields: Any) -> "Trajectory":
+        """A trajectory known by its token lists alone (benchmarks, tests, data from elsewhere):
+        the counts follow from the mask, the version is 0, the task its group."""
+        mask = [int(m) for m in loss_mask]
+        generated = sum(mask)
+        return cls(group_id=group_id, index=index, task_id=group_id, policy_version=0,
+                   prompt_tokens=len(mask) - generated, generated_tokens=generated, reward=0.0,
+                   advantage=advantage, token_ids=[int(t) for t in token_ids], loss_mask=mask,
+                   logprobs=[float(x) for x in logprobs], **fields)
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["segments"] = [[s.start, s.end, s.version] for s in self.segments]

@@ -170,12 +170,13 @@ class TrajectoryImages:
 
         return cls(ImageProcessor(checkpoint_dir), cfg.image_token_id) if is_vision_language(cfg) else None
 
-    def fields(self, record: dict, token_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    def fields(self, record, token_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """`pixel_values`, `image_grid_thw`, `image_mask` # [T], `position_ids` # [3, T] of one
-        trajectory record (`images`: base64 strings, `image_grid_thw`: the rollout's grids)."""
-        what = f"trajectory {record.get('group_id')}/{record.get('index')}"
+        trajectory (`core.trajectory.Trajectory`: `images`, base64 strings, and
+        `image_grid_thw`, the rollout's grids)."""
+        what = f"trajectory {record.trajectory_id}"
         mask = image_positions(token_ids, loss_mask, self.image_token_id)
-        images = record.get("images") or []
+        images = record.images
         if not images:
             if mask.any():
                 raise ImageInputError(f"{what}: {int(mask.sum())} image pads but no images")
@@ -183,7 +184,7 @@ class TrajectoryImages:
         decoded = [self.processor.decode(decode_image_record(text, f"{what} image {i}"), f"{what} image {i}")
                    for i, text in enumerate(images)]
         pixel_values, grids = self.processor.pixel_values(decoded)
-        recorded = record.get("image_grid_thw")
+        recorded = record.image_grid_thw or None  # absent: nothing to check against
         if recorded is not None and grids.tolist() != [list(g) for g in recorded]:
             raise ImageInputError(f"{what}: the trainer's image grids {grids.tolist()} differ from the rollout's "
                                   f"{recorded} (different preprocessor_config.json?)")

@@ -25,7 +25,7 @@ rank 0 sends it weights again at its next sync. On `Stop` it answers `Stopped` a
 heartbeat, so rank 0 knows it ended (see `controller/loop.py`).
 
 ERS may move the rank to the trainer: rank 0 takes its tasks back with `CancelAll(carry=True)`
-and, once it answered `AllCancelled`, posts it the trainer's "roles" message. Each task that has
+and, once it answered `AllCancelled`, posts it the trainer's `SetRoles`. Each task that has
 begun its episode is handed over rather than dropped: it stops at its next await (a turn in
 flight ends first), detaches its env session and answers `TaskCarried` with its episode so far
 (`rollout/task_carry.py`); rank 0 resumes it on another rank (`RunTask.carry`), which attaches
@@ -69,6 +69,7 @@ from tide_megatron.comm.messages import (
     ReleaseCarry,
     ResumeTask,
     RunTask,
+    SetRoles,
     Stop,
     Stopped,
     TaskAssignment,
@@ -194,14 +195,14 @@ class RolloutWorker:
         self._cancel_all_epoch: Optional[int] = None
         """A `CancelAll` whose tasks are still ending (answered once none is left)."""
         self._handoff: Optional[list] = None
-        """The trainer's "roles" message and what followed it: this rank leaves rollout."""
+        """The trainer's `SetRoles` message and what followed it: this rank leaves rollout."""
         self._away = False  # the engine's memory is released while the rank trains
         self._releases: set[asyncio.Task] = set()
         """Env sessions of dropped hand-overs being closed (`ReleaseCarry`)."""
 
     def run(self) -> Optional[list]:
         """Roll out until `Stop` (returns None) or until rank 0 moves this rank to the trainer
-        (returns the "roles" message and the messages read after it, in order)."""
+        (returns the `SetRoles` message and the messages read after it, in order)."""
         if self._away:
             self.engine.resume_memory()
             self._away = False
@@ -237,7 +238,7 @@ class RolloutWorker:
         while not self._stopping and not self.engine.died and self._handoff is None:
             msgs = self.mailbox.poll()
             for i, msg in enumerate(msgs):
-                if isinstance(msg, dict) and msg.get("kind") == "roles":
+                if isinstance(msg, SetRoles):
                     if self._tasks:  # rank 0 posts it only after this rank's AllCancelled
                         raise RuntimeError(f"rollout rank {self.rank}: moved to the trainer with "
                                            f"{len(self._tasks)} task(s) still running")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
 from tide_megatron.comm.groups import GroupLayout
+from tide_megatron.comm.messages import SetRoles
 from tide_megatron.core.roles import Role
 
 
@@ -67,15 +68,14 @@ class TrainerAssignment:
         reference, so a step may run colocated or, with reference ranks, decoupled."""
         return cls(layout, layout.actor_blocks_of(trainer_ranks), tuple(ref_ranks), actors_hold_ref=True)
 
-    def to_message(self) -> dict:
-        """The payload of the "roles" control message (the layout is known to every rank)."""
-        return {"actor_blocks": self.actor_blocks, "ref_ranks": list(self.ref_ranks),
-                "actors_hold_ref": self.actors_hold_ref}
+    def to_message(self) -> SetRoles:
+        """The control message that announces this assignment (the layout is known to every rank)."""
+        return SetRoles(self.actor_blocks, list(self.ref_ranks), self.actors_hold_ref)
 
     @classmethod
-    def from_message(cls, layout: GroupLayout, payload: Mapping) -> "TrainerAssignment":
-        return cls(layout, int(payload["actor_blocks"]), tuple(int(r) for r in payload["ref_ranks"]),
-                   actors_hold_ref=bool(payload["actors_hold_ref"]))
+    def from_message(cls, layout: GroupLayout, msg: SetRoles) -> "TrainerAssignment":
+        return cls(layout, int(msg.actor_blocks), tuple(int(r) for r in msg.ref_ranks),
+                   actors_hold_ref=bool(msg.actors_hold_ref))
 
     @property
     def modes(self) -> frozenset[str]:

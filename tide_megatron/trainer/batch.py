@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Trajectory:
-    """One finished multi-turn rollout, flattened to tokens."""
+class TrajectoryTensors:
+    """One finished trajectory (`core.trajectory.Trajectory`) as the trainer's tensors."""
 
     token_ids: torch.Tensor  # [T] int64: prompt, actions and observations, in order
     loss_mask: torch.Tensor  # [T] bool/float: 1 on tokens the policy generated, 0 on prompt/env
@@ -91,7 +91,7 @@ class MicroBatch:
                           move(self.image_mask))
 
 
-def collate(trajectories: list[Trajectory], pad_to_multiple_of: int = 1) -> MicroBatch:
+def collate(trajectories: list[TrajectoryTensors], pad_to_multiple_of: int = 1) -> MicroBatch:
     """Right-pad trajectories into one micro-batch."""
     if not trajectories:
         raise ValueError("cannot collate an empty list of trajectories")
@@ -117,7 +117,7 @@ def collate(trajectories: list[Trajectory], pad_to_multiple_of: int = 1) -> Micr
     return mb
 
 
-def _collate_images(mb: MicroBatch, trajectories: list[Trajectory], seq_len: int) -> None:
+def _collate_images(mb: MicroBatch, trajectories: list[TrajectoryTensors], seq_len: int) -> None:
     """MRoPE positions # [3, B, T] (padding continues each row), image mask and images."""
     positions = torch.zeros(3, len(trajectories), seq_len, dtype=torch.long)
     image_mask = torch.zeros(len(trajectories), seq_len, dtype=torch.bool)
@@ -135,13 +135,13 @@ def _collate_images(mb: MicroBatch, trajectories: list[Trajectory], seq_len: int
         mb.image_grid_thw = torch.cat([t.image_grid_thw for t in with_images])
 
 
-def pack_micro_batches(trajectories: list[Trajectory], micro_batch_tokens: int,
+def pack_micro_batches(trajectories: list[TrajectoryTensors], micro_batch_tokens: int,
                        pad_to_multiple_of: int = 1) -> list[MicroBatch]:
     """Split trajectories, in the given order, into micro-batches of at most
     `micro_batch_tokens` padded tokens (rows x padded length). A trajectory longer than the budget
     gets a micro-batch of its own."""
-    groups: list[list[Trajectory]] = []
-    current: list[Trajectory] = []
+    groups: list[list[TrajectoryTensors]] = []
+    current: list[TrajectoryTensors] = []
     longest = 0
     for traj in trajectories:
         padded = -(-max(longest, len(traj)) // pad_to_multiple_of) * pad_to_multiple_of

@@ -1,4 +1,4 @@
-"""Rollout trajectories as they travel in control messages (JSON) -> the trainer's tensors.
+"""The rollout's trajectory record (`core.trajectory.Trajectory`) -> the trainer's tensors.
 
 The actor and a reference rank build the same tensors from the same message, so the shapes of a
 micro-batch's log-probs agree on both ends of the decoupled stream.
@@ -6,31 +6,31 @@ micro-batch's log-probs agree on both ends of the decoupled stream.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
-from tide_megatron.trainer.batch import MicroBatch, Trajectory, collate
+from tide_megatron.trainer.batch import MicroBatch, TrajectoryTensors, collate
 
 
-def to_train_trajectory(data: dict[str, Any], images: TrajectoryImages | None = None) -> Trajectory:
-    """A rollout trajectory (JSON) as the trainer's tensors; `images` turns its images (if any)
-    into the vision inputs of a vision-language policy."""
-    token_ids = torch.tensor(data["token_ids"], dtype=torch.long)  # [T]
-    loss_mask = torch.tensor(data["loss_mask"], dtype=torch.float32)  # [T]
-    if images is None and data.get("images"):
-        raise ValueError(f"trajectory {data.get('group_id')}/{data.get('index')} has images, "
-                         "but the policy is a text-only model")
-    return Trajectory(
+def to_train_trajectory(traj: Trajectory, images: TrajectoryImages | None = None) -> TrajectoryTensors:
+    """A trajectory as the trainer's tensors; `images` turns its images (if any) into the vision
+    inputs of a vision-language policy. Its group must be complete (the advantage is set)."""
+    if traj.advantage is None:
+        raise ValueError(f"trajectory {traj.trajectory_id} has no advantage: its group is not complete")
+    if images is None and traj.images:
+        raise ValueError(f"trajectory {traj.trajectory_id} has images, but the policy is a text-only model")
+    token_ids = torch.tensor(traj.token_ids, dtype=torch.long)  # [T]
+    loss_mask = torch.tensor(traj.loss_mask, dtype=torch.float32)  # [T]
+    return TrajectoryTensors(
         token_ids=token_ids, loss_mask=loss_mask,
-        old_logprobs=torch.tensor(data["logprobs"], dtype=torch.float32),  # [T]
-        advantage=float(data["advantage"]),
-        **(images.fields(data, token_ids, loss_mask) if images is not None else {}),
+        old_logprobs=torch.tensor(traj.logprobs, dtype=torch.float32),  # [T]
+        advantage=float(traj.advantage),
+        **(images.fields(traj, token_ids, loss_mask) if images is not None else {}),
     )
 
 
-def micro_batch_of(trajectories: list[dict[str, Any]], pad_to_multiple_of: int = 1,
+def micro_batch_of(trajectories: list[Trajectory], pad_to_multiple_of: int = 1,
                    images: TrajectoryImages | None = None) -> MicroBatch:
     """One micro-batch of rollout trajectories."""
     return collate([to_train_trajectory(t, images) for t in trajectories], pad_to_multiple_of)

@@ -7,7 +7,7 @@ One step over N actor DP ranks (each a TP block) and R reference ranks:
     feed.put(dp, trajectories)
     # the main thread of rank 0 trains its own share meanwhile:
     result, report = worker0.run_step(mode, feed.local_source)
-    # then wait for feed.replies_expected(): "trained" from every other actor rank, "ref_done"
+    # then wait for feed.replies_expected(): `Trained` from every other actor rank, `RefDone`
     # from every reference rank (decoupled)
 
 The counts per DP rank are fixed when the step opens (Megatron's schedule needs them); a DP rank
@@ -21,6 +21,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import (Message, OpenRefStep, OpenStep, RefDone, RefMicroBatch, Trained,
+                                         TrainMicroBatch)
+from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.trainer.assignment import TrainerAssignment
 from tide_megatron.trainer.payload import micro_batch_of
 from tide_megatron.trainer.ra2p.source import ArrivingSource
@@ -53,17 +56,16 @@ class StepFeed:
                     raise ValueError(f"rank {me} is an actor: pass its TrainerWorker as `local`")
                 self.local_source = local.begin_step(n, **(source_options or {}))
             else:
-                mailbox.post(rank, "step", mode=mode, num_micro_batches=n)
+                mailbox.post(rank, OpenStep(mode, n))
         if self.decoupled:
             for ref in assignment.ref_ranks:
-                mailbox.post(ref, "ref_step", num_micro_batches={
-                    str(dp): self.counts[dp] for dp in assignment.served_dp_ranks(ref)})
+                mailbox.post(ref, OpenRefStep({dp: self.counts[dp] for dp in assignment.served_dp_ranks(ref)}))
 
     @property
     def decoupled(self) -> bool:
         return self.mode == "decoupled"
 
-    def put(self, dp: int, trajectories: list[dict[str, Any]]) -> None:
+    def put(self, dp: int, trajectories: list[Trajectory]) -> None:
         """Route DP rank `dp`'s next micro-batch to its actor ranks (and its reference unit)."""
         if self._sent[dp] >= self.counts[dp]:
             raise ValueError(f"DP rank {dp} was opened with {self.counts[dp]} micro-batches; one more sent")
@@ -72,23 +74,23 @@ class StepFeed:
             if rank == self.mailbox.owner:
                 self.local_source.put(micro_batch_of(trajectories, self.pad, self.images))
             else:
-                self.mailbox.post(rank, "mb", trajectories=trajectories)
+                self.mailbox.post(rank, TrainMicroBatch(trajectories))
         if self.decoupled:
             for ref in self.assignment.ref_unit_of(dp):
-                self.mailbox.post(ref, "ref_mb", dp=dp, trajectories=trajectories)
+                self.mailbox.post(ref, RefMicroBatch(dp, trajectories))
 
-    def replies_expected(self) -> dict[str, list[int]]:
-        """Reply kind -> the ranks that will post it when the step is done."""
+    def replies_expected(self) -> dict[type[Message], list[int]]:
+        """Reply type -> the ranks that will post it when the step is done."""
         me = self.mailbox.owner
-        out = {"trained": [r for r in self.assignment.actor_ranks if r != me]}
+        out: dict[type[Message], list[int]] = {Trained: [r for r in self.assignment.actor_ranks if r != me]}
         if self.decoupled:
-            out["ref_done"] = list(self.assignment.ref_ranks)
+            out[RefDone] = list(self.assignment.ref_ranks)
         return out
 
 
 def post_roles(mailbox: Mailbox, new: TrainerAssignment, ranks) -> None:
     """Tell `ranks` (every rank but the poster, which calls `TrainerWorker.apply` itself) the
-    new trainer configuration. Each affected rank answers "roles_done"."""
+    new trainer configuration. Each affected rank answers `RolesDone`."""
     for rank in ranks:
         if rank != mailbox.owner:
-            mailbox.post(rank, "roles", **new.to_message())
+            mailbox.post(rank, new.to_message())

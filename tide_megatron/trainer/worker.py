@@ -11,15 +11,12 @@ Every rank of the job can hold a `TrainerWorker`; what it holds follows its role
 Rank 0 (the controller) calls the methods directly; every other rank in a trainer role runs
 `serve(mailbox)`, which executes the same methods from control messages in the order they were
 posted, so collectives (gradient all-reduce, TP gathers, state transfers, checkpoints) happen
-on every rank in the same order. Message kinds (payload keys):
+on every rank in the same order. The messages (`comm/messages.py`):
 
-    to actor ranks     "step" {mode, num_micro_batches}, then num_micro_batches x "mb" {trajectories}
-                       -> "trained" {step, result, report}
-    to reference ranks "ref_step" {num_micro_batches: {dp: n}}, then "ref_mb" {dp, trajectories}
-                       -> "ref_done" {report, costs}
-    to every rank      "roles" {actor_blocks, ref_ranks, actors_hold_ref} -> "roles_done" {role, times}
-                       "push_weights" {version}, "save", "load" {path},
-                       and the typed `comm.messages.Stop` (weights go to rollout ranks only)
+    to actor ranks     OpenStep, then num_micro_batches x TrainMicroBatch -> Trained
+    to reference ranks OpenRefStep, then RefMicroBatch per micro-batch of the DP ranks it serves -> RefDone
+    to every rank      SetRoles -> RolesDone; PushWeights, SaveCheckpoint, LoadCheckpoint, Stop
+                       (weights go to rollout ranks only)
 
 Role changes (`apply`, at the post-update boundary): a leaving actor drops its weights, grads
 and optimizer state (every remaining DP replica holds the same); a joining one restores or
@@ -39,7 +36,9 @@ from typing import Any, Mapping
 
 from tide_megatron.comm.groups import GroupRegistry
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
-from tide_megatron.comm.messages import Stop
+from tide_megatron.comm.messages import (LoadCheckpoint, Message, OpenRefStep, OpenStep, PushWeights, RefDone,
+                                         RefMicroBatch, RolesDone, SaveCheckpoint, SetRoles, Stop, Trained,
+                                         TrainMicroBatch)
 from tide_megatron.core.roles import Role
 from tide_megatron.models.policy import load_hf_weights, model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
@@ -101,7 +100,7 @@ class TrainerWorker:
         if self.role in (Role.REF, Role.ACTOR_REF):
             self._load_ref()
         # A rank in a trainer role reads its mailbox in a thread while a step runs.
-        self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Message, dict[int, ArrivingSource]]] = queue.Queue()
         self._resume = threading.Event()
         self._sources: dict[int, ArrivingSource] = {}
 
@@ -283,13 +282,13 @@ class TrainerWorker:
         """Gather HF weights on actor DP rank 0 (collective over its TP group); rank 0 hands them
         to `send(named)`, the controller's push to the rollout ranks it names
         (`comm/weight_sync.py`). Rank 0 passes `mailbox` to have its TP peers join the
-        gather ("push_weights"). Returns the seconds `send` took."""
+        gather (`PushWeights`). Returns the seconds `send` took."""
         if self.role not in (Role.ACTOR, Role.ACTOR_REF) or self.assignment.dp_rank(self.rank) != 0:
             return 0.0
         if mailbox is not None:
             for peer in self.assignment.dp_members(0):
                 if peer != self.rank:
-                    mailbox.post(peer, "push_weights", version=version)
+                    mailbox.post(peer, PushWeights(version))
         named = list(self.actor.hf_weights())
         if self.rank != 0:
             return 0.0  # rank 0 alone sends
@@ -314,10 +313,10 @@ class TrainerWorker:
     # ---- the message loop of ranks other than 0 -------------------------------------------
 
     def serve(self, mailbox: Mailbox, pending: list | None = None) -> Role | None:
-        """Run the controller's commands until told to stop (returns None) or until a "roles"
-        message makes this rank ROLLOUT (returns Role.ROLLOUT, the mailbox read no further).
+        """Run the controller's commands until told to stop (returns None) or until `SetRoles`
+        makes this rank ROLLOUT (returns Role.ROLLOUT, the mailbox read no further).
         `pending`: messages read already, handled first (a rollout rank joining the trainer
-        hands over the "roles" message and what came with it)."""
+        hands over the `SetRoles` message and what came with it)."""
         stop = threading.Event()
         self._resume.set()
         reader = threading.Thread(target=self._read_mailbox, args=(mailbox, stop, list(pending or ())), daemon=True,
@@ -325,46 +324,52 @@ class TrainerWorker:
         reader.start()
         try:
             while True:
-                msg = self._commands.get()
-                outcome = self._handle(msg, mailbox)
-                if outcome != "continue":
+                msg, sources = self._commands.get()
+                handler = _COMMANDS.get(type(msg))
+                if handler is None:
+                    raise ValueError(f"trainer rank {self.rank}: no handler for {type(msg).__name__}")
+                outcome = handler(self, msg, sources, mailbox)
+                if outcome is not None:
                     return None if outcome == "stop" else Role.ROLLOUT
-                if isinstance(msg, dict) and msg["kind"] == "roles":
+                if isinstance(msg, SetRoles):
                     self._resume.set()  # still a trainer rank: read on
         finally:
             stop.set()
             self._resume.set()
             reader.join(timeout=5)
 
-    def _handle(self, msg: "dict[str, Any] | Stop", mailbox: Mailbox) -> str:
-        if isinstance(msg, Stop):
-            return "stop"
-        kind = msg["kind"]
-        if kind == "step":
-            result, report = self.run_step(msg["mode"], msg["source"])
-            mailbox.post(CONTROLLER, "trained", step=result.step, result=dataclasses.asdict(result),
-                         report=report.as_dict())
-        elif kind == "ref_step":
-            report = self.serve_ref_step(msg["sources"])
-            mailbox.post(CONTROLLER, "ref_done", report=report.as_dict(), costs=dict(self.meter.values))
-        elif kind == "roles":
-            times = self.apply(TrainerAssignment.from_message(self.registry.layout, msg))
-            mailbox.post(CONTROLLER, "roles_done", role=self.role.value, times=times)
-            if self.role is Role.ROLLOUT:
-                return "rollout"
-        elif kind == "push_weights":
-            self.push_weights(int(msg["version"]))
-        elif kind == "save":
-            self.save()
-        elif kind == "load":
-            self.load(msg.get("path"))
-        else:
-            raise ValueError(f"trainer rank {self.rank}: unknown message kind {kind!r}")
-        return "continue"
+    # The main thread's handlers, one per command (`_COMMANDS`): each returns None to go on,
+    # "stop" or "rollout" to leave `serve`. `sources`: the open step's micro-batch sources.
+    def _on_step(self, msg: OpenStep, sources, mailbox: Mailbox) -> str | None:
+        result, report = self.run_step(msg.mode, sources[0])
+        mailbox.post(CONTROLLER, Trained(result.step, dataclasses.asdict(result), report.as_dict()))
+        return None
+
+    def _on_ref_step(self, msg: OpenRefStep, sources, mailbox: Mailbox) -> str | None:
+        report = self.serve_ref_step(sources)
+        mailbox.post(CONTROLLER, RefDone(report.as_dict(), dict(self.meter.values)))
+        return None
+
+    def _on_roles(self, msg: SetRoles, sources, mailbox: Mailbox) -> str | None:
+        times = self.apply(TrainerAssignment.from_message(self.registry.layout, msg))
+        mailbox.post(CONTROLLER, RolesDone(self.role.value, times))
+        return "rollout" if self.role is Role.ROLLOUT else None
+
+    def _on_push_weights(self, msg: PushWeights, sources, mailbox: Mailbox) -> str | None:
+        self.push_weights(msg.version)
+        return None
+
+    def _on_save(self, msg: SaveCheckpoint, sources, mailbox: Mailbox) -> str | None:
+        self.save()
+        return None
+
+    def _on_load(self, msg: LoadCheckpoint, sources, mailbox: Mailbox) -> str | None:
+        self.load(msg.path)
+        return None
 
     def _read_mailbox(self, mailbox: Mailbox, stop: threading.Event, pending: list) -> None:
         """Micro-batches go straight into the running step's sources; everything else to the
-        main thread, in order (`pending` first). After "roles" or "stop" the reader waits until
+        main thread, in order (`pending` first). After `SetRoles` or `Stop` the reader waits until
         the main thread has acted on it: if the rank leaves the trainer, what follows is the
         rollout loop's to read."""
         while not stop.is_set():
@@ -380,27 +385,31 @@ class TrainerWorker:
                 continue
             self._route(msgs[0])
 
-    def _route(self, msg: "dict[str, Any] | Stop") -> None:
+    def _route(self, msg: Message) -> None:
+        """On the reader thread: a step's opening makes its sources (the main thread trains from
+        them while its micro-batches still arrive), a micro-batch goes into its source, anything
+        else to the main thread in order."""
         pad = self.cfg.pad_to_multiple_of
-        if isinstance(msg, Stop):
-            self._resume.clear()
-            self._commands.put(msg)
+        if isinstance(msg, OpenStep):
+            self._sources = {0: self.begin_step(msg.num_micro_batches)}
+        elif isinstance(msg, TrainMicroBatch):
+            self._sources[0].put(micro_batch_of(msg.trajectories, pad, self.images))
             return
-        kind = msg["kind"]
-        if kind == "step":
-            self._sources = {0: self.begin_step(int(msg["num_micro_batches"]))}
-            self._commands.put({**msg, "source": self._sources[0]})
-        elif kind == "mb":
-            self._sources[0].put(micro_batch_of(msg["trajectories"], pad, self.images))
-        elif kind == "ref_step":
-            counts = msg["num_micro_batches"]
-            counts = {0: counts} if isinstance(counts, int) else {int(k): int(v) for k, v in counts.items()}
-            self._sources = self.begin_ref_step(counts)
-            self._commands.put({**msg, "sources": self._sources})
-        elif kind == "ref_mb":
-            self._sources[int(msg.get("dp", 0))].put(micro_batch_of(msg["trajectories"], pad, self.images))
-        else:
-            if kind == "roles":
-                self._resume.clear()
-            self._commands.put(msg)
+        elif isinstance(msg, OpenRefStep):
+            self._sources = self.begin_ref_step(msg.num_micro_batches)
+        elif isinstance(msg, RefMicroBatch):
+            self._sources[msg.dp].put(micro_batch_of(msg.trajectories, pad, self.images))
+            return
+        elif isinstance(msg, (SetRoles, Stop)):
+            self._resume.clear()  # what follows may be the rollout loop's to read
+        self._commands.put((msg, self._sources))
 
+
+def _on_stop(worker: TrainerWorker, msg: Stop, sources, mailbox: Mailbox) -> str:
+    return "stop"
+
+
+_COMMANDS = {OpenStep: TrainerWorker._on_step, OpenRefStep: TrainerWorker._on_ref_step,
+             SetRoles: TrainerWorker._on_roles, PushWeights: TrainerWorker._on_push_weights,
+             SaveCheckpoint: TrainerWorker._on_save, LoadCheckpoint: TrainerWorker._on_load, Stop: _on_stop}
+"""What the main thread of `serve` does with each command (micro-batches never reach it)."""

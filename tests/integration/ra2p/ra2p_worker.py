@@ -28,7 +28,7 @@ STEPS = 2
 
 
 def make_trajectories(vocab_size: int) -> dict:
-    from tide_megatron.trainer.batch import Trajectory
+    from tide_megatron.trainer.batch import TrajectoryTensors
 
     g = torch.Generator().manual_seed(7)
     out = {}
@@ -38,7 +38,7 @@ def make_trajectories(vocab_size: int) -> dict:
         mask = torch.zeros(length)
         mask[length // 2:] = 1
         old = -torch.rand(length, generator=g) * mask
-        out[f"t{i}"] = Trajectory(ids, mask, old, advantage=float(torch.randn((), generator=g)))
+        out[f"t{i}"] = TrajectoryTensors(ids, mask, old, advantage=float(torch.randn((), generator=g)))
     return out
 
 

@@ -56,6 +56,8 @@ def main() -> None:
 
         # --- trainer: one GRPO step, then push the weights to the engine ---------------------
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port + 1), RANK="0", WORLD_SIZE="1")
+        from dataclasses import replace
+
         from tide_megatron.trainer.payload import to_train_trajectory
         from tide_megatron.models.megatron_gpt import init_parallel
         from tide_megatron.trainer.actor import MegatronActor
@@ -67,7 +69,7 @@ def main() -> None:
         actor = MegatronActor(model_cfg, TrainerConfig(lr=1e-2, kl_coef=0.0), ckpt)
         rewards = [t.reward for t in trajs]
         mean = sum(rewards) / len(rewards)
-        train = [to_train_trajectory({**t.to_json(), "advantage": (t.reward - mean) + 0.5 * (i % 2 - 0.5)})
+        train = [to_train_trajectory(replace(t, advantage=(t.reward - mean) + 0.5 * (i % 2 - 0.5)))
                  for i, t in enumerate(trajs)]
         before = collate(train[:1])
         # Before any update: the engine's sampling log-probs are the trainer's.
@@ -80,7 +82,7 @@ def main() -> None:
         # After the sync: a fresh greedy trajectory, scored by both sides.
         trajs_after = engine.loop.run_until_complete(rollout(0.0))
         t = trajs_after[0]
-        mb = collate([to_train_trajectory({**t.to_json(), "advantage": 0.0})])
+        mb = collate([to_train_trajectory(replace(t, advantage=0.0))])
         lp_trainer = actor.logprobs(mb)[0]
         m = mb.loss_mask[0].bool()
         results["post_sync_max_abs_diff"] = float((lp_trainer[m] - mb.old_logprobs[0][m]).abs().max())

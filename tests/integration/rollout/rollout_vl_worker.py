@@ -100,6 +100,9 @@ def main() -> None:
 
     # --- trainer: score, one GRPO step, push the weights ------------------------------------
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    from dataclasses import replace
+
+    from tide_megatron.core.trajectory import Trajectory
     from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
@@ -115,7 +118,7 @@ def main() -> None:
         """Largest |trainer - engine| log-prob over the generated tokens of `records`."""
         worst, count = 0.0, 0
         for record in records:
-            mb = collate([to_train_trajectory({**record, "advantage": 0.0}, images)])
+            mb = collate([to_train_trajectory(Trajectory.from_json({**record, "advantage": 0.0}), images)])
             lp = actor.logprobs(mb)[0]
             mask = mb.loss_mask[0].bool()
             worst = max(worst, float((lp[mask] - mb.old_logprobs[0][mask]).abs().max()))
@@ -126,7 +129,7 @@ def main() -> None:
     before = {n: t.clone() for n, t in actor.hf_weights()}
     rewards = [t.reward for t in trajs]
     mean = sum(rewards) / len(rewards)
-    train = [to_train_trajectory({**t.to_json(), "advantage": (t.reward - mean) + 0.5 * (i % 2 - 0.5)}, images)
+    train = [to_train_trajectory(replace(t, advantage=(t.reward - mean) + 0.5 * (i % 2 - 0.5)), images)
              for i, t in enumerate(trajs)]
     actor.train_step(pack_micro_batches(train, 4096))
     after = list(actor.hf_weights())

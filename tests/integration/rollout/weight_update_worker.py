@@ -44,10 +44,12 @@ def main() -> None:
 
         # The trainer: weights one GRPO step away from the engine's, and the frozen initial model.
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port + 1), RANK="0", WORLD_SIZE="1")
+        from dataclasses import replace
+
         from tide_megatron.trainer.payload import to_train_trajectory
         from tide_megatron.models.megatron_gpt import init_parallel
         from tide_megatron.trainer.actor import MegatronActor, ReferenceModel
-        from tide_megatron.trainer.batch import Trajectory as TrainTrajectory
+        from tide_megatron.trainer.batch import TrajectoryTensors as TrainTrajectory
         from tide_megatron.trainer.batch import collate
         from tide_megatron.trainer.config import TrainerConfig
 
@@ -94,7 +96,7 @@ def main() -> None:
         trajectories = engine.loop.run_until_complete(run_all())
         rows = []
         for t in trajectories:
-            mb = collate([to_train_trajectory({**t.to_json(), "advantage": 1.0})])
+            mb = collate([to_train_trajectory(replace(t, advantage=1.0))])
             lp_old, lp_new = old.logprobs(mb)[0], actor.logprobs(mb)[0]
             behaviour = torch.tensor(t.logprobs)
             segs = []
@@ -108,7 +110,7 @@ def main() -> None:
                          "turns": t.turns, "generated_tokens": t.generated_tokens})
         report["trajectories"] = rows
         # Training on them: the importance ratio uses each token's behaviour log-prob.
-        train = [to_train_trajectory({**t.to_json(), "advantage": 1.0 - 2 * (i % 2)}) for i, t in enumerate(trajectories)]
+        train = [to_train_trajectory(replace(t, advantage=1.0 - 2 * (i % 2))) for i, t in enumerate(trajectories)]
         result = actor.train_step([collate(train)])
         report["train_loss"] = float(result.loss)
         engine.shutdown()

@@ -36,21 +36,23 @@ TRAJECTORIES_PER_BATCH = 8
 ROWS_PER_MICRO_BATCH = 2
 
 
-def make_batch(seed: int) -> list[dict]:
-    """A global batch of rollout trajectories as they travel in messages (JSON)."""
+def make_batch(seed: int) -> list:
+    """A global batch of rollout trajectories (`core.trajectory.Trajectory`)."""
+    from tide_megatron.core.trajectory import Trajectory
+
     g = torch.Generator().manual_seed(seed)
     batch = []
     for _ in range(TRAJECTORIES_PER_BATCH):
         n = 10 + int(torch.randint(0, 24, (1,), generator=g))
         mask = torch.zeros(n)
         mask[n // 2:] = 1
-        batch.append({"token_ids": torch.randint(0, MODEL_KWARGS["vocab_size"], (n,), generator=g).tolist(),
-                      "loss_mask": mask.tolist(), "logprobs": (-torch.rand(n, generator=g) * mask).tolist(),
-                      "advantage": float(torch.randn((), generator=g))})
+        batch.append(Trajectory.from_tokens(torch.randint(0, MODEL_KWARGS["vocab_size"], (n,), generator=g).tolist(),
+                                            mask.tolist(), (-torch.rand(n, generator=g) * mask).tolist(),
+                                            advantage=float(torch.randn((), generator=g)), index=len(batch)))
     return batch
 
 
-def micro_batches_by_dp(batch: list[dict], dp_size: int) -> dict[int, list[list[dict]]]:
+def micro_batches_by_dp(batch: list, dp_size: int) -> dict[int, list[list]]:
     """The global batch split by the current DP size, each shard in micro-batches of 2 rows."""
     from tide_megatron.trainer.assignment import split_by_dp
 
@@ -72,22 +74,23 @@ def optimizer_tensors(worker) -> list[torch.Tensor]:
 _INBOX: list[dict] = []  # rank 0's replies not yet asked for
 
 
-def _wait(mailbox, kind: str, ranks, timeout_s: float = 300.0) -> dict[int, dict]:
-    """The `kind` replies of `ranks` (others stay in the inbox for their turn)."""
+def _wait(mailbox, kind: type, ranks, timeout_s: float = 300.0) -> dict:
+    """The replies of type `kind` of `ranks` (others stay in the inbox for their turn)."""
     deadline = time.monotonic() + timeout_s
     while True:
         _INBOX.extend(mailbox.poll())
-        got = {m["src"]: m for m in _INBOX if m["kind"] == kind and m["src"] in ranks}
+        got = {m.src: m for m in _INBOX if isinstance(m, kind) and m.src in ranks}
         if set(got) == set(ranks):
-            _INBOX[:] = [m for m in _INBOX if not (m["kind"] == kind and m["src"] in ranks)]
+            _INBOX[:] = [m for m in _INBOX if not (isinstance(m, kind) and m.src in ranks)]
             return got
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {kind!r} from {sorted(set(ranks) - set(got))} within {timeout_s:.0f} s")
+            raise TimeoutError(f"no {kind.__name__} from {sorted(set(ranks) - set(got))} within {timeout_s:.0f} s")
         time.sleep(0.005)
 
 
-def drive_step(worker, mailbox, batch: list[dict], mode: str) -> dict:
+def drive_step(worker, mailbox, batch: list, mode: str) -> dict:
     """Rank 0's part of one step under the worker's current assignment."""
+    from tide_megatron.comm.messages import Trained
     from tide_megatron.trainer.step_feed import StepFeed
 
     mbs = micro_batches_by_dp(batch, worker.assignment.dp_size)
@@ -99,22 +102,23 @@ def drive_step(worker, mailbox, batch: list[dict], mode: str) -> dict:
     replies = {kind: _wait(mailbox, kind, ranks) for kind, ranks in feed.replies_expected().items()}
     return {"loss": result.loss, "kl": result.kl, "num_tokens": result.num_tokens, "mode": mode,
             "ref_wait_s": report.ref_wait_s,
-            "peer_losses": [m["result"]["loss"] for m in replies["trained"].values()]}
+            "peer_losses": [m.result["loss"] for m in replies[Trained].values()]}
 
 
 def change_roles(worker, mailbox, new, world: int) -> dict:
-    """Rank 0's part of a role change: every rank gets "roles"; returns everyone's times."""
+    """Rank 0's part of a role change: every rank gets `SetRoles`; returns everyone's times."""
+    from tide_megatron.comm.messages import RolesDone
     from tide_megatron.trainer.step_feed import post_roles
 
     post_roles(mailbox, new, range(world))
     times = {0: worker.apply(new)}
-    times.update({r: m["times"] for r, m in _wait(mailbox, "roles_done", range(1, world)).items()})
+    times.update({r: m.times for r, m in _wait(mailbox, RolesDone, range(1, world)).items()})
     return times
 
 
 def serve_until_stopped(worker, mailbox) -> list[dict]:
     """A rank other than 0: trainer loop, and the rollout stand-in while it is ROLLOUT."""
-    from tide_megatron.comm.messages import Stop
+    from tide_megatron.comm.messages import RolesDone, SetRoles, Stop
     from tide_megatron.trainer.assignment import TrainerAssignment
 
     transitions = []
@@ -127,11 +131,11 @@ def serve_until_stopped(worker, mailbox) -> list[dict]:
             msg = msgs[0]
             if isinstance(msg, Stop):
                 return transitions
-            if msg["kind"] != "roles":
-                raise RuntimeError(f"a rollout stand-in got {msg['kind']!r}")
+            if not isinstance(msg, SetRoles):
+                raise RuntimeError(f"a rollout stand-in got {type(msg).__name__}")
             times = worker.apply(TrainerAssignment.from_message(worker.registry.layout, msg))
             transitions.append(times)
-            mailbox.post(0, "roles_done", role=worker.role.value, times=times)
+            mailbox.post(0, RolesDone(worker.role.value, times))
             if worker.role.value != "rollout":
                 break
     return transitions
@@ -162,6 +166,7 @@ def scenario_single(rank, registry, mailbox, hf_dir, out_dir) -> dict:
 def scenario_tp2dp2(rank, registry, mailbox, hf_dir, out_dir) -> dict:
     """Decoupled step, colocated step, checkpoint, one more step, load the checkpoint back, then
     that step again, decoupled, with the second actor block as a TP=2 reference unit."""
+    from tide_megatron.comm.messages import LoadCheckpoint, SaveCheckpoint
     from tide_megatron.trainer.assignment import TrainerAssignment
 
     assignment = TrainerAssignment(registry.layout, 2, ref_ranks=(4,), actors_hold_ref=True)
@@ -182,12 +187,12 @@ def scenario_tp2dp2(rank, registry, mailbox, hf_dir, out_dir) -> dict:
                     drive_step(worker, mailbox, make_batch(2), "colocated")]
     out["params_after_2"] = params(worker)
     for r in range(1, 4):
-        mailbox.post(r, "save")
+        mailbox.post(r, SaveCheckpoint())
     path = worker.save()
     out["steps"].append(drive_step(worker, mailbox, make_batch(3), "colocated"))
     out["params_after_3"] = params(worker)
     for r in range(1, 4):
-        mailbox.post(r, "load", path=path)
+        mailbox.post(r, LoadCheckpoint(path))
     worker.load(path)  # collective over the four actor ranks
     out["params_loaded"] = params(worker)
     # Block 1 becomes a TP=2 reference unit (it held the reference as ACTOR_REF), rank 4 rolls

@@ -24,7 +24,7 @@ MODEL_KWARGS = dict(vocab_size=2048, hidden_size=64, num_layers=2, num_attention
 
 def make_trajectories(vocab_size: int):
     """A fixed batch: 6 trajectories, prompt/env tokens masked, mixed-sign advantages."""
-    from tide_megatron.trainer.batch import Trajectory
+    from tide_megatron.trainer.batch import TrajectoryTensors
 
     g = torch.Generator().manual_seed(1234)
     trajectories = []
@@ -34,7 +34,7 @@ def make_trajectories(vocab_size: int):
         mask = torch.zeros(length)
         mask[length // 3: 2 * length // 3] = 1  # action tokens
         mask[length - 3:] = 1  # a second turn's action; the middle third is an env observation
-        trajectories.append(Trajectory(ids, mask, torch.zeros(length), advantage=(1.0 if i % 2 else -0.5)))
+        trajectories.append(TrajectoryTensors(ids, mask, torch.zeros(length), advantage=(1.0 if i % 2 else -0.5)))
     return trajectories
 
 

@@ -27,6 +27,7 @@ def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str)
     from tide_megatron.trainer.payload import to_train_trajectory
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.policy import model_config_from_checkpoint
+    from tide_megatron.core.trajectory import Trajectory
     from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
     from tide_megatron.trainer.actor import MegatronActor, ReferenceModel
     from tide_megatron.trainer.batch import pack_micro_batches
@@ -37,7 +38,7 @@ def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str)
     cfg = model_config_from_checkpoint(hf_dir)
     tcfg = TrainerConfig(lr=2e-3, kl_coef=0.05, clip_grad=1.0, micro_batch_tokens=160)
     images = TrajectoryImages.for_model(cfg, hf_dir)
-    trajectories = [to_train_trajectory(r, images) for r in records]
+    trajectories = [to_train_trajectory(Trajectory.from_tokens(**r), images) for r in records]
     mbs = pack_micro_batches(trajectories, tcfg.micro_batch_tokens)
     actor = MegatronActor(cfg, tcfg, hf_dir)
     ref = ReferenceModel(cfg, hf_dir)

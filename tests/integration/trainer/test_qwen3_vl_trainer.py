@@ -21,6 +21,7 @@ from PIL import Image
 from tide_megatron.models.policy import banned_token_ids
 from tide_megatron.models.qwen3_vl_checkpoint import load_hf_vl_model, write_random_vl_checkpoint
 from tide_megatron.models.qwen3_vl_config import VisionTowerConfig, VLModelConfig
+from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.models.qwen3_vl_inputs import ImageProcessor, TrajectoryImages, encode_image_for_record
 from tide_megatron.tokenizer import TINY_BPE_DIR
 from tide_megatron.trainer.logprobs import BANNED_LOGIT
@@ -116,7 +117,7 @@ def _hf_logprobs(model, record: dict, path: str, cfg: VLModelConfig) -> torch.Te
     """log p(ids[t] | ids[:t]) from transformers with the record's images, over the policy's
     action space (vision special tokens excluded, as SGLang samples). # [T], 0 at t = 0"""
     ids = torch.tensor(record["token_ids"])
-    fields = TrajectoryImages.for_model(cfg, path).fields(record, ids, torch.tensor(record["loss_mask"]))
+    fields = TrajectoryImages.for_model(cfg, path).fields(Trajectory.from_tokens(**record), ids, torch.tensor(record["loss_mask"]))
     kwargs = {}
     if "pixel_values" in fields:
         kwargs = dict(pixel_values=fields["pixel_values"], image_grid_thw=fields["image_grid_thw"],

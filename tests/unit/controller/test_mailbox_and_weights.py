@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import Heartbeat, LoadWeights, RunTask, TaskAssignment, TrajectoryDone, WeightsLoaded
+from tide_megatron.comm.messages import (Heartbeat, LoadWeights, OpenRefStep, PushWeights, RefMicroBatch, RunTask,
+                                         SaveCheckpoint, SetRoles, TaskAssignment, TrainMicroBatch, TrajectoryDone,
+                                         WeightsLoaded)
 from tide_megatron.comm.weight_sync import (
     bucket_ranges,
     WeightManifest,
@@ -38,12 +40,13 @@ def test_messages_arrive_in_order_once():
     store = dist.HashStore()
     rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
     for i in range(5):
-        rank0.post(1, "train", i=i)
-    rank1.post(0, "trained")
+        rank0.post(1, PushWeights(i))
+    rank1.post(0, SaveCheckpoint())
     got = rank1.poll()
-    assert [m["i"] for m in got] == list(range(5)) and all(m["src"] == 0 for m in got)
+    assert [m.version for m in got] == list(range(5)) and all(m.src == 0 for m in got)
     assert rank1.poll() == []
-    assert rank0.poll() == [{"kind": "trained", "src": 1}]
+    (saved,) = rank0.poll()
+    assert isinstance(saved, SaveCheckpoint) and saved.src == 1
 
 
 def test_typed_messages_round_trip_with_their_sender():
@@ -62,9 +65,24 @@ def test_typed_messages_round_trip_with_their_sender():
     assert beat.env_steps == 2 and beat.src == 1
 
 
-def test_a_typed_kind_cannot_be_posted_as_a_loose_dict():
-    with pytest.raises(TypeError, match="RunTask"):
-        Mailbox(dist.HashStore(), 0).post(1, "task", assignment={})
+def test_only_typed_messages_can_be_posted():
+    with pytest.raises(TypeError, match="typed message"):
+        Mailbox(dist.HashStore(), 0).post(1, "task")
+
+
+def test_trainer_messages_round_trip_with_typed_fields():
+    store = dist.HashStore()
+    rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
+    traj = Trajectory.from_tokens([5, 6, 7], [0, 1, 1], [0.0, -0.1, -0.2], advantage=0.5, group_id="g1", index=3)
+    rank0.post(1, OpenRefStep({0: 2, 3: 1}))
+    rank0.post(1, RefMicroBatch(3, [traj]))
+    rank0.post(1, TrainMicroBatch([traj, traj]))
+    rank0.post(1, SetRoles(2, [4, 5], False))
+    opened, ref_mb, mb, roles = rank1.poll()
+    assert opened.num_micro_batches == {0: 2, 3: 1}  # int keys again after JSON's strings
+    assert ref_mb.dp == 3 and ref_mb.trajectories == [traj] and mb.trajectories == [traj, traj]
+    assert mb.trajectories[0].advantage == 0.5 and mb.trajectories[0].trajectory_id == "g1/3"
+    assert roles == SetRoles(2, [4, 5], False) and roles.src == 0
 
 
 def test_concurrent_senders_lose_nothing():
@@ -74,7 +92,7 @@ def test_concurrent_senders_lose_nothing():
 
     def send(mb):
         for i in range(50):
-            mb.post(0, "trained", i=i)
+            mb.post(0, PushWeights(i))
 
     threads = [threading.Thread(target=send, args=(s,)) for s in senders]
     for t in threads:
@@ -84,16 +102,16 @@ def test_concurrent_senders_lose_nothing():
     got = inbox.poll()
     assert len(got) == 150
     for src in (1, 2, 3):
-        assert [m["i"] for m in got if m["src"] == src] == list(range(50))  # per-sender order
+        assert [m.version for m in got if m.src == src] == list(range(50))  # per-sender order
 
 
 def test_poll_limit_keeps_the_rest():
     store = dist.HashStore()
     a, b = Mailbox(store, 0), Mailbox(store, 1)
     for i in range(4):
-        a.post(1, "x", i=i)
-    assert [m["i"] for m in b.poll(limit=3)] == [0, 1, 2]
-    assert [m["i"] for m in b.poll()] == [3]
+        a.post(1, PushWeights(i))
+    assert [m.version for m in b.poll(limit=3)] == [0, 1, 2]
+    assert [m.version for m in b.poll()] == [3]
 
 
 def test_pack_unpack_round_trip():
@@ -188,16 +206,16 @@ def test_a_sender_stopped_between_reserving_and_writing_blocks_no_one():
     store = dist.HashStore()
     owner, other = Mailbox(store, 0), Mailbox(store, 2)
     frozen_slot = store.add("tide/mb/0/n", 1) - 1  # rank 1 reserved a slot, then stopped
-    other.post(0, "trained", i=0)
+    other.post(0, PushWeights(0))
     t0 = time.monotonic()
-    assert [m["src"] for m in owner.poll()] == [2]  # at once, not after the store's timeout
+    assert [m.src for m in owner.poll()] == [2]  # at once, not after the store's timeout
     assert time.monotonic() - t0 < 1
-    other.post(0, "trained", i=1)
-    assert [m["i"] for m in owner.poll()] == [1]
+    other.post(0, PushWeights(1))
+    assert [m.version for m in owner.poll()] == [1]
     # rank 1 wakes: it writes its slot, then posts again; both come out, in its order
-    store.set(f"tide/mb/0/{frozen_slot}", '{"kind":"trained","src":1,"i":10}')
-    Mailbox(store, 1).post(0, "trained", i=11)
-    assert [(m["src"], m["i"]) for m in owner.poll()] == [(1, 10), (1, 11)]
+    store.set(f"tide/mb/0/{frozen_slot}", '{"kind":"push_weights","src":1,"version":10}')
+    Mailbox(store, 1).post(0, PushWeights(11))
+    assert [(m.src, m.version) for m in owner.poll()] == [(1, 10), (1, 11)]
     assert owner.poll() == []
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tide_megatron.comm.groups import GroupLayout
+from tide_megatron.comm.messages import RolesDone
 from tide_megatron.config import ERSJobConfig
 from tide_megatron.controller.trainer_roles import TrainerRoles
 from tide_megatron.core.ers import ERSMeasurements
@@ -37,8 +38,8 @@ class FakeMailbox:
     def __init__(self):
         self.posted: list[tuple[int, str]] = []
 
-    def post(self, dest, kind, **payload):
-        self.posted.append((dest, kind))
+    def post(self, dest, msg):
+        self.posted.append((dest, msg.KIND))
 
 
 def make(world: int, tp: int, trainers: int, refs: int, drill_every: int = 1):
@@ -47,7 +48,7 @@ def make(world: int, tp: int, trainers: int, refs: int, drill_every: int = 1):
     topo = SimpleNamespace(trainer_ranks=list(range(trainers)), ref_ranks=list(range(trainers, trainers + refs)),
                            rollout_ranks=list(range(trainers + refs, world)), world_size=world)
     worker, mailbox = FakeWorker(layout, start), FakeMailbox()
-    replies = [{"times": {"total_s": 1.5}}] * (trainers + refs - 1)
+    replies = [RolesDone("actor", {"total_s": 1.5})] * (trainers + refs - 1)
     roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=drill_every), topo, mailbox, worker, RA2PConfig(),
                          take=lambda kind, count, timeout_s: replies[:count])
     return roles, worker, mailbox
@@ -157,10 +158,10 @@ def test_the_split_drill_moves_the_next_rank_in_and_back_draining_it_first():
     worker.needs_ref = True
     events: list = []
     mailbox = FakeMailbox()
-    mailbox.post = lambda dest, kind, **payload: events.append((kind, dest))
+    mailbox.post = lambda dest, msg: events.append((msg.KIND, dest))
     rollout = FakeRollout([1, 2, 3], events)
     roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=1, drill="split"), topo, mailbox, worker,
-                         RA2PConfig(), take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count,
+                         RA2PConfig(), take=lambda kind, count, timeout_s: [RolesDone("actor", {"total_s": 0.1})] * count,
                          rollout=rollout)
     assert roles.enabled and roles.moves_split
     times = MicroBatchTimes(0.05, 0.05, 0.1)
@@ -201,9 +202,9 @@ def test_with_tensor_parallel_actors_whole_tp_blocks_move():
     worker.needs_ref = True
     events: list = []
     mailbox = FakeMailbox()
-    mailbox.post = lambda dest, kind, **payload: events.append((kind, dest))
+    mailbox.post = lambda dest, msg: events.append((msg.KIND, dest))
     roles = TrainerRoles(ERSJobConfig(enabled=True, drill_every=1, drill="split"), topo, mailbox, worker,
-                         RA2PConfig(), take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count,
+                         RA2PConfig(), take=lambda kind, count, timeout_s: [RolesDone("actor", {"total_s": 0.1})] * count,
                          rollout=FakeRollout([2, 3, 4, 5], events))
     assert roles.moves_split and roles.ers.config.rank_block == 2
     times = MicroBatchTimes(0.05, 0.05, 0.1)
@@ -251,10 +252,10 @@ def test_cold_start_lends_every_trainer_rank_but_rank_0_to_rollout_and_a_boundar
     worker.needs_ref = True
     events: list = []
     mailbox = FakeMailbox()
-    mailbox.post = lambda dest, kind, **payload: events.append((kind, dest))
+    mailbox.post = lambda dest, msg: events.append((msg.KIND, dest))
     rollout = FakeRollout([3], events)
     roles = TrainerRoles(ERSJobConfig(enabled=True), topo, mailbox, worker, RA2PConfig(),
-                         take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count, rollout=rollout)
+                         take=lambda kind, count, timeout_s: [RolesDone("actor", {"total_s": 0.1})] * count, rollout=rollout)
     lent = roles.cold_start()
     assert worker.assignment == TrainerAssignment(layout, 1, (), actors_hold_ref=True) and roles.ranks == [0]
     assert sorted(e for e in events if e[0] == "return_to_rollout") == [("return_to_rollout", 1),
@@ -277,7 +278,7 @@ def test_the_cold_start_loan_ends_when_the_first_step_has_its_data():
     events: list = []
     rollout = FakeRollout([3], events)
     roles = TrainerRoles(ERSJobConfig(enabled=True), topo, FakeMailbox(), worker, RA2PConfig(),
-                         take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count, rollout=rollout)
+                         take=lambda kind, count, timeout_s: [RolesDone("actor", {"total_s": 0.1})] * count, rollout=rollout)
     roles.cold_start()
     rollout.loading = {2}
     with pytest.raises(AssertionError, match=r"would wait for lent rank\(s\) \[1, 2\] to load the first weights"):
@@ -320,7 +321,7 @@ def test_an_evaluation_step_lends_the_trainer_ranks_the_step_does_not_need_and_g
     events: list = []
     rollout = FakeRollout([3], events)
     roles = TrainerRoles(ERSJobConfig(enabled=True, preemptive_cold_start=False), topo, FakeMailbox(), worker,
-                         RA2PConfig(), take=lambda kind, count, timeout_s: [{"times": {"total_s": 0.1}}] * count,
+                         RA2PConfig(), take=lambda kind, count, timeout_s: [RolesDone("actor", {"total_s": 0.1})] * count,
                          rollout=rollout)
     m = ERSMeasurements(window_s=1.0, trainer_ranks=3, trainer_busy_s=1.0, trainer_starved_s=0.0, trained_tokens=300,
                         rollout_ranks=1, fresh_tokens=1000, eval_tokens=0, slots_full_s=0.0, kv_used_fraction=0.0)

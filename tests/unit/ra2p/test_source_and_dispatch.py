@@ -9,15 +9,15 @@ import torch
 
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.core.roles import RA2PMode
-from tide_megatron.trainer.batch import Trajectory, collate
+from tide_megatron.trainer.batch import TrajectoryTensors, collate
 from tide_megatron.trainer.ra2p.dispatch import micro_batches_for_rank, plan_step
 from tide_megatron.trainer.ra2p.source import ArrivingSource, ReadySource, as_source
 
 
-def _traj(n: int) -> Trajectory:
+def _traj(n: int) -> TrajectoryTensors:
     mask = torch.zeros(n)
     mask[1:] = 1
-    return Trajectory(torch.arange(n), mask, torch.zeros(n), 1.0)
+    return TrajectoryTensors(torch.arange(n), mask, torch.zeros(n), 1.0)
 
 
 def test_ready_source_hands_out_aggregates_up_to_the_limit():

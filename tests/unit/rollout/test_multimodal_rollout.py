@@ -128,7 +128,7 @@ def test_trajectory_holds_expanded_pads_and_its_images(ckpt, chat):
     # The trainer reads the same record back: grids agree, every pad has an image feature.
     import torch
 
-    fields = TrajectoryImages.for_model(cfg, path).fields(traj.to_json(), torch.tensor(traj.token_ids),
+    fields = TrajectoryImages.for_model(cfg, path).fields(traj, torch.tensor(traj.token_ids),
                                                           torch.tensor(traj.loss_mask))
     assert int(fields["image_mask"].sum()) == traj.image_tokens
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tide_megatron.trainer.batch import MicroBatch, Trajectory, collate, pack_micro_batches
+from tide_megatron.trainer.batch import MicroBatch, TrajectoryTensors, collate, pack_micro_batches
 from tide_megatron.trainer.config import KL_ESTIMATORS, TrainerConfig
 from tide_megatron.trainer.grpo_loss import (
     grpo_loss,
@@ -91,10 +91,10 @@ def test_deferred_loss_waits_in_backward_and_matches(estimator):
     assert report["ref_wait_s"] > 0.0
 
 
-def _traj(n: int, adv: float = 1.0) -> Trajectory:
+def _traj(n: int, adv: float = 1.0) -> TrajectoryTensors:
     mask = torch.ones(n)
     mask[0] = 0
-    return Trajectory(torch.arange(n), mask, torch.zeros(n), adv)
+    return TrajectoryTensors(torch.arange(n), mask, torch.zeros(n), adv)
 
 
 def test_collate_right_pads_with_masked_tokens():
@@ -115,7 +115,7 @@ def test_pack_respects_the_padded_token_budget():
 
 def test_first_token_cannot_be_a_loss_token():
     with pytest.raises(ValueError, match="loss_mask\\[0\\]"):
-        Trajectory(torch.arange(3), torch.ones(3), torch.zeros(3), 1.0)
+        TrajectoryTensors(torch.arange(3), torch.ones(3), torch.zeros(3), 1.0)
 
 
 def test_config_rejects_unknown_estimator():

@@ -25,7 +25,8 @@ from tide_megatron.models.qwen3_vl_inputs import (
     encode_image_for_record,
 )
 from tide_megatron.tokenizer import TINY_BPE_DIR
-from tide_megatron.trainer.batch import Trajectory, collate
+from tide_megatron.core.trajectory import Trajectory
+from tide_megatron.trainer.batch import TrajectoryTensors, collate
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -110,7 +111,7 @@ def _record(cfg, processor, images: list[bytes], generated_pad: bool = False) ->
 
 
 def _fields(images: TrajectoryImages, record: dict) -> dict:
-    return images.fields(record, torch.tensor(record["token_ids"]), torch.tensor(record["loss_mask"], dtype=torch.float))
+    return images.fields(Trajectory.from_tokens(**record), torch.tensor(record["token_ids"]), torch.tensor(record["loss_mask"], dtype=torch.float))
 
 
 def test_trajectory_images_become_vision_inputs(ckpt, processor):
@@ -151,7 +152,7 @@ def test_collate_carries_images_and_mrope_positions(ckpt, processor):
     for n_images in (2, 0, 1):
         record = _record(cfg, processor, [png(64, 64, s) for s in range(n_images)])
         ids, mask = torch.tensor(record["token_ids"]), torch.tensor(record["loss_mask"], dtype=torch.float)
-        rows.append(Trajectory(ids, mask, torch.zeros(len(ids)), 1.0, **_fields(images, record)))
+        rows.append(TrajectoryTensors(ids, mask, torch.zeros(len(ids)), 1.0, **_fields(images, record)))
     mb = collate(rows, pad_to_multiple_of=8)
     batch, seq = mb.token_ids.shape
     assert mb.position_ids.shape == (3, batch, seq) and mb.image_mask.shape == (batch, seq)

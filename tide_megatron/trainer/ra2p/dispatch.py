@@ -13,16 +13,16 @@ from typing import Hashable, Mapping
 
 from tide_megatron.core.ra2p import MicroBatchPlan, RA2PConfig, plan_microbatches
 from tide_megatron.core.roles import RA2PMode
-from tide_megatron.trainer.batch import MicroBatch, Trajectory, collate
+from tide_megatron.trainer.batch import MicroBatch, TrajectoryTensors, collate
 
 
-def plan_step(trajectories: Mapping[Hashable, Trajectory], dp_size: int, mode: RA2PMode,
+def plan_step(trajectories: Mapping[Hashable, TrajectoryTensors], dp_size: int, mode: RA2PMode,
               cfg: RA2PConfig) -> MicroBatchPlan:
     """The core planner's plan for these trajectories (ids are the mapping's keys)."""
     return plan_microbatches({sid: len(t) for sid, t in trajectories.items()}, dp_size, mode, cfg)
 
 
-def micro_batches_for_rank(plan: MicroBatchPlan, trajectories: Mapping[Hashable, Trajectory], rank: int,
+def micro_batches_for_rank(plan: MicroBatchPlan, trajectories: Mapping[Hashable, TrajectoryTensors], rank: int,
                            pad_to_multiple_of: int = 1) -> list[MicroBatch]:
     """This DP rank's micro-batches, in plan (feed) order; an empty shard yields none.
 
