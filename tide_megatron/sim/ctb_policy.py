@@ -29,7 +29,7 @@ from tide_megatron.core.ctb import (
 )
 from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.sim.rollout_cluster import PlacementPolicy
-from tide_megatron.sim.workload import Trajectory
+from tide_megatron.sim.workload import SimTrajectory
 
 
 class CTBPolicy(PlacementPolicy):
@@ -54,11 +54,11 @@ class CTBPolicy(PlacementPolicy):
         self.unconsumed_fn = unconsumed_fn
         self.clock_fn = clock_fn
         self.on_group_cancelled = on_group_cancelled
-        self.trajs: Dict[int, Trajectory] = {}
+        self.trajs: Dict[int, SimTrajectory] = {}
         self.group_members: Dict[int, List[int]] = {}
 
     # ------------------------------------------------------------------------ task stream
-    def submit(self, trajs: List[Trajectory]) -> None:
+    def submit(self, trajs: List[SimTrajectory]) -> None:
         self.sched.submit(RolloutTask(t.traj_id, t.group_id, t.task_type, t.prompt_tokens, t.is_eval) for t in trajs)
         for t in trajs:
             self.trajs[t.traj_id] = t
@@ -87,21 +87,21 @@ class CTBPolicy(PlacementPolicy):
     def on_rank_added(self, rank_id: int) -> None:
         self.sched.add_rank(rank_id, self.budget)
 
-    def on_rank_removed(self, rank_id: int, residents: List[Trajectory]) -> None:
+    def on_rank_removed(self, rank_id: int, residents: List[SimTrajectory]) -> None:
         self.sched.remove_rank(rank_id)  # residents become PAUSED and resume elsewhere
 
     def on_weight_sync(self) -> None:
         self.sched.on_weight_sync()
 
-    def on_turn_started(self, traj: Trajectory) -> None:
+    def on_turn_started(self, traj: SimTrajectory) -> None:
         if self.sched.status(traj.traj_id).state is TaskState.RUNNING:
             self.sched.on_turn_started(traj.traj_id, traj.context + traj.gen[traj.turn])
 
-    def on_turn_finished(self, traj: Trajectory) -> None:
+    def on_turn_finished(self, traj: SimTrajectory) -> None:
         if self.sched.status(traj.traj_id).state is TaskState.RUNNING:
             self.sched.on_turn_finished(traj.traj_id, traj.context + traj.gen[traj.turn])
 
-    def on_finished(self, traj: Trajectory) -> None:
+    def on_finished(self, traj: SimTrajectory) -> None:
         """A trajectory ended, or (simulators that cancel stale groups) was cancelled."""
         gid = traj.group_id
         members = self.group_members.get(gid)

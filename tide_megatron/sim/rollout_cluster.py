@@ -28,7 +28,7 @@ from typing import Callable, Deque, Dict, List, Optional
 from tide_megatron.sim.events import EventLoop
 from tide_megatron.sim.hardware import HardwareModel
 from tide_megatron.sim.rollout_rank import RankStats, RolloutRank
-from tide_megatron.sim.workload import Trajectory
+from tide_megatron.sim.workload import SimTrajectory
 
 
 class PlacementPolicy:
@@ -42,25 +42,25 @@ class PlacementPolicy:
     def bind(self, cluster: "RolloutCluster") -> None:
         self.cluster = cluster
 
-    def submit(self, trajs: List[Trajectory]) -> None: ...
+    def submit(self, trajs: List[SimTrajectory]) -> None: ...
     def dispatch(self, now: float) -> None: ...
     def backlog(self) -> int: return 0
     def on_rank_added(self, rank_id: int) -> None: ...
-    def on_rank_removed(self, rank_id: int, residents: List[Trajectory]) -> None: ...
+    def on_rank_removed(self, rank_id: int, residents: List[SimTrajectory]) -> None: ...
     def on_weight_sync(self) -> None: ...
-    def on_turn_started(self, traj: Trajectory) -> None: ...
-    def on_turn_finished(self, traj: Trajectory) -> None: ...
-    def on_finished(self, traj: Trajectory) -> None: ...
+    def on_turn_started(self, traj: SimTrajectory) -> None: ...
+    def on_turn_finished(self, traj: SimTrajectory) -> None: ...
+    def on_finished(self, traj: SimTrajectory) -> None: ...
 
 
 class RequestLevelPolicy(PlacementPolicy):
     """Request-level continuous batching: count-balanced placement, nothing pinned."""
 
     def __init__(self) -> None:
-        self.queue: Deque[Trajectory] = deque()
-        self.homeless: Deque[Trajectory] = deque()  # from ranks that left rollout
+        self.queue: Deque[SimTrajectory] = deque()
+        self.homeless: Deque[SimTrajectory] = deque()  # from ranks that left rollout
 
-    def submit(self, trajs: List[Trajectory]) -> None:
+    def submit(self, trajs: List[SimTrajectory]) -> None:
         # eval tasks are queued like any other: a request-level engine has no task priorities
         self.queue.extend(trajs)
 
@@ -92,7 +92,7 @@ class RequestLevelPolicy(PlacementPolicy):
             c.admit(traj, rid, now)
             heapq.heappush(heap, (n + 1, rid))
 
-    def on_rank_removed(self, rank_id: int, residents: List[Trajectory]) -> None:
+    def on_rank_removed(self, rank_id: int, residents: List[SimTrajectory]) -> None:
         self.homeless.extend(residents)
 
 
@@ -100,7 +100,7 @@ class RolloutCluster:
     """All rollout ranks and the env slots; executes the placement policy's decisions."""
 
     def __init__(self, loop: EventLoop, hw: HardwareModel, policy: PlacementPolicy, env_concurrency: int,
-                 on_done: Callable[[Trajectory], None], on_admit: Callable[[Trajectory], None]):
+                 on_done: Callable[[SimTrajectory], None], on_admit: Callable[[SimTrajectory], None]):
         self.loop = loop
         self.hw = hw
         self.policy = policy
@@ -157,11 +157,11 @@ class RolloutCluster:
         self.policy.on_weight_sync()
 
     # ------------------------------------------------------------------ policy -> mechanics
-    def submit(self, trajs: List[Trajectory]) -> None:
+    def submit(self, trajs: List[SimTrajectory]) -> None:
         self.policy.submit(trajs)
         self.kick()
 
-    def admit(self, traj: Trajectory, rank_id: int, now: float) -> None:
+    def admit(self, traj: SimTrajectory, rank_id: int, now: float) -> None:
         """New task onto a rank: it takes an env slot and the env resets."""
         if traj.cancelled:  # its group was cancelled while this member still queued
             self.policy.on_finished(traj)
@@ -174,7 +174,7 @@ class RolloutCluster:
         traj.env_busy = True
         self.loop.after(traj.reset_s, self._env_done, traj)
 
-    def resume(self, traj: Trajectory, rank_id: int, now: float) -> None:
+    def resume(self, traj: SimTrajectory, rank_id: int, now: float) -> None:
         """A paused task onto a rank; it re-submits at once unless its env is still working."""
         rank = self.ranks[rank_id]
         rank.place(traj)
@@ -182,7 +182,7 @@ class RolloutCluster:
         if not traj.env_busy:
             self._submit(traj, rank, now)
 
-    def pause(self, traj: Trajectory, now: float) -> None:
+    def pause(self, traj: SimTrajectory, now: float) -> None:
         """Drop the task's KV state (aborting its decode if it is generating)."""
         rank = self.ranks.get(traj.rank) if traj.rank >= 0 else None
         if rank is not None:
@@ -193,7 +193,7 @@ class RolloutCluster:
         traj.paused = True
         self.pauses += 1
 
-    def cancel(self, traj: Trajectory, now: float) -> int:
+    def cancel(self, traj: SimTrajectory, now: float) -> int:
         """Stop a trajectory of a cancelled group; returns the tokens it had generated."""
         if traj.cancelled or traj.end_time >= 0:
             return 0
@@ -228,7 +228,7 @@ class RolloutCluster:
         if self.active:
             self.policy.dispatch(self.loop.now)
 
-    def _submit(self, traj: Trajectory, rank: RolloutRank, now: float) -> None:
+    def _submit(self, traj: SimTrajectory, rank: RolloutRank, now: float) -> None:
         if len(traj.segment_versions) <= traj.turn:
             traj.segment_versions.append(self.version)
         rank.submit(traj, now)
@@ -236,7 +236,7 @@ class RolloutCluster:
             self.policy.on_turn_started(traj)
         self._reschedule(rank)
 
-    def _started(self, trajs: List[Trajectory]) -> None:
+    def _started(self, trajs: List[SimTrajectory]) -> None:
         for traj in trajs:  # engine-queued requests that got room
             self.policy.on_turn_started(traj)
 
@@ -269,7 +269,7 @@ class RolloutCluster:
         if done:
             self.kick()
 
-    def _env_done(self, traj: Trajectory) -> None:
+    def _env_done(self, traj: SimTrajectory) -> None:
         """The env answered (reset, or a step): next turn, or the trajectory is over."""
         if traj.cancelled:
             return
@@ -290,7 +290,7 @@ class RolloutCluster:
         else:
             self.kick()  # paused or migrated while the env worked: the policy resumes it
 
-    def _finish(self, traj: Trajectory, rank: Optional[RolloutRank], now: float) -> None:
+    def _finish(self, traj: SimTrajectory, rank: Optional[RolloutRank], now: float) -> None:
         if rank is not None:
             self._started(rank.release(traj, now))
             self._reschedule(rank)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional
 
 from tide_megatron.sim.hardware import HardwareModel
-from tide_megatron.sim.workload import Trajectory
+from tide_megatron.sim.workload import SimTrajectory
 
 
 @dataclass
@@ -91,8 +91,8 @@ class RolloutRank:
         self.cache: "OrderedDict[int, int]" = OrderedDict()  # waiting traj_id -> prefix tokens
         self.prompt_cache: "OrderedDict[int, int]" = OrderedDict()  # group_id -> prompt tokens
         self.used = 0  # KV tokens held: running reservations + cached prefixes
-        self.queue: Deque[Trajectory] = deque()
-        self.resident: Dict[int, Trajectory] = {}  # every trajectory placed here and not done
+        self.queue: Deque[SimTrajectory] = deque()
+        self.resident: Dict[int, SimTrajectory] = {}  # every trajectory placed here and not done
         self.footprint = 0  # sum of resident trajectories' next-turn footprints (CTB ledger)
         self.wake_token = getattr(self, "wake_token", 0) + 1  # drops any pending wake-up
         self.wake_at = None
@@ -157,13 +157,13 @@ class RolloutRank:
         return self.capacity - self.used
 
     # ------------------------------------------------------------------------------- requests
-    def place(self, traj: Trajectory) -> None:
+    def place(self, traj: SimTrajectory) -> None:
         """Make `traj` resident here (admission or resume); its turns arrive with `submit`."""
         traj.rank = self.rank_id
         self.resident[traj.traj_id] = traj
         self.footprint += traj.footprint()
 
-    def _try_start(self, traj: Trajectory, now: float) -> bool:
+    def _try_start(self, traj: SimTrajectory, now: float) -> bool:
         need = traj.footprint() - self.cache.get(traj.traj_id, 0)
         if self.used + need > self.capacity:
             self._evict_for(need)
@@ -175,13 +175,13 @@ class RolloutRank:
         self._start(traj, now, self.cache.get(traj.traj_id, 0))
         return True
 
-    def submit(self, traj: Trajectory, now: float) -> None:
+    def submit(self, traj: SimTrajectory, now: float) -> None:
         """A turn of `traj` asks for generation; it starts now or waits in the engine queue."""
         self.advance(now)
         if self.queue or not self._try_start(traj, now):
             self.queue.append(traj)
 
-    def _start(self, traj: Trajectory, now: float, cached: int) -> None:
+    def _start(self, traj: SimTrajectory, now: float, cached: int) -> None:
         ctx = traj.context
         hit = cached
         if cached:
@@ -216,7 +216,7 @@ class RolloutRank:
     def wake(self, now: float) -> tuple:
         """Finish every turn due by `now`: (finished trajectories, queued ones that started)."""
         self.advance(now)
-        done: List[Trajectory] = []
+        done: List[SimTrajectory] = []
         eps = 1e-6
         while self._finish and self._finish[0][0] <= self.vclock + eps:
             _, tid = heapq.heappop(self._finish)
@@ -233,18 +233,18 @@ class RolloutRank:
             self.cache[tid] = traj.context + gen
             self.used += traj.context + gen
             done.append(traj)
-        started: List[Trajectory] = []
+        started: List[SimTrajectory] = []
         if done:
             started = self._drain_queue(now)
         return done, started
 
-    def _drain_queue(self, now: float) -> List[Trajectory]:
+    def _drain_queue(self, now: float) -> List[SimTrajectory]:
         started = []
         while self.queue and self._try_start(self.queue[0], now):
             started.append(self.queue.popleft())
         return started
 
-    def abort(self, traj: Trajectory, now: float) -> None:
+    def abort(self, traj: SimTrajectory, now: float) -> None:
         """Stop `traj`'s decode (CTB paused an active task): the turn restarts when resumed."""
         self.advance(now)
         entry = self.running.pop(traj.traj_id, None)
@@ -255,7 +255,7 @@ class RolloutRank:
         if traj in self.queue:
             self.queue.remove(traj)
 
-    def release(self, traj: Trajectory, now: float) -> List[Trajectory]:
+    def release(self, traj: SimTrajectory, now: float) -> List[SimTrajectory]:
         """Drop `traj` from this rank (finished, paused or migrated). It must not be running."""
         if self.resident.pop(traj.traj_id, None) is not None:
             self.footprint -= traj.footprint()
@@ -284,15 +284,15 @@ class RolloutRank:
         self.freeze_until = max(now, self.freeze_until) + stall_s + extra
 
     # ------------------------------------------------------------------------------ queries
-    def waiting_trajectories(self) -> List[Trajectory]:
+    def waiting_trajectories(self) -> List[SimTrajectory]:
         """Resident trajectories that are neither running nor queued (with the env)."""
         queued = {t.traj_id for t in self.queue}
         return [t for tid, t in self.resident.items() if tid not in self.running and tid not in queued]
 
-    def is_running(self, traj: Trajectory) -> bool:
+    def is_running(self, traj: SimTrajectory) -> bool:
         return traj.traj_id in self.running
 
-    def progress(self, traj: Trajectory, now: float) -> int:
+    def progress(self, traj: SimTrajectory, now: float) -> int:
         """Tokens `traj`'s running turn has generated by `now` (0 if it is not running)."""
         entry = self.running.get(traj.traj_id)
         if entry is None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from tide_megatron.core.buffer import BufferConfig, CompletedGroup, GlobalBuffer
-from tide_megatron.core.buffer import Trajectory as BufferTrajectory
+from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.core.ctb import CTBConfig
 from tide_megatron.core.ctb_deadline import ConsumptionMeter, TrainerClock
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
@@ -59,7 +59,7 @@ from tide_megatron.sim.hardware import HardwareModel
 from tide_megatron.sim.metrics import RunMetrics, StepRecord, record_rank_roles, step_figures
 from tide_megatron.sim.rollout_cluster import RequestLevelPolicy, RolloutCluster
 from tide_megatron.sim.trainer_model import TrainerCosts
-from tide_megatron.sim.workload import Group, Trajectory, WorkloadModel
+from tide_megatron.sim.workload import Group, SimTrajectory, WorkloadModel
 
 CTB_BUDGET_FRACTION = 0.9
 """CTB's per-rank token budget as a share of the engine's KV pool: the rest is headroom for the
@@ -162,10 +162,10 @@ class Simulator:
         self.eval_duration_s = 0.0
         """How long the last evaluation phase took (ERS sizes the next eval loan with it)."""
         self.metrics = RunMetrics(mode=self._label(), n_gpus=cfg.n_gpus, n_ranks=self.n_ranks)
-        self.consumed_trajs: List[Trajectory] = []
+        self.consumed_trajs: List[SimTrajectory] = []
         self.timeline_marks = (0.0, 0)
         """(rollout idle seconds, consumed trajectories) at the last step's end (`step_figures`)."""
-        self.eval_trajs_done: List[Trajectory] = []
+        self.eval_trajs_done: List[SimTrajectory] = []
         self.trainer_ranks = 0
         self.plan: Optional[RolePlan] = None
         """The role plan in force (TIDE: possibly a preemptive loan)."""
@@ -233,7 +233,7 @@ class Simulator:
         if n > 0:
             self.submit(self.new_groups(n))
 
-    def _on_admit(self, traj: Trajectory) -> None:
+    def _on_admit(self, traj: SimTrajectory) -> None:
         """A trajectory took an env slot: fix the version its staleness is measured from (the
         weights the engines serve now)."""
         group = self.groups[traj.group_id]
@@ -251,9 +251,9 @@ class Simulator:
                 self.buffer.note_admitted(group.group_id, group.version)
         traj.version = group.version if self.cancel_rule else engine_version
 
-    def _on_trajectory_done(self, traj: Trajectory) -> None:
+    def _on_trajectory_done(self, traj: SimTrajectory) -> None:
         now = self.loop.now
-        rec = BufferTrajectory(
+        rec = Trajectory(
             group_id=traj.group_id, index=traj.index, task_id=traj.group_id, policy_version=traj.version,
             # observations are prompt-side tokens for the trainer (loss-masked, but processed)
             prompt_tokens=traj.total_tokens - traj.generated_tokens, generated_tokens=traj.generated_tokens,

@@ -21,7 +21,7 @@ from tide_megatron.sim.config import TaskTypeConfig, WorkloadConfig
 
 
 @dataclass(eq=False)
-class Trajectory:
+class SimTrajectory:
     """One multi-turn rollout: everything the simulator needs, drawn up front (compared by
     identity: two trajectories with equal draws are still two tasks)."""
 
@@ -87,7 +87,7 @@ class Group:
     """A GRPO group: complete when every trajectory is done."""
 
     group_id: int
-    trajectories: List[Trajectory]
+    trajectories: List[SimTrajectory]
     is_eval: bool = False
     done: int = 0
     complete_time: float = -1.0
@@ -127,7 +127,8 @@ class WorkloadModel:
     def _task_type(self, rng: random.Random) -> TaskTypeConfig:
         return rng.choices(self.cfg.task_types, weights=self._weights)[0]
 
-    def _trajectory(self, group_id: int, index: int, ttype: TaskTypeConfig, prompt: int, is_eval: bool) -> Trajectory:
+    def _trajectory(self, group_id: int, index: int, ttype: TaskTypeConfig, prompt: int,
+                    is_eval: bool) -> SimTrajectory:
         rng = random.Random((self.seed * 1_000_003 + group_id) * 1009 + index)
         needed = max(1, round(_lognormal(rng, ttype.base_turns)))
         gen: List[int] = []
@@ -148,7 +149,7 @@ class WorkloadModel:
                 done_useful += 1
         if not gen:  # the prompt alone fills the context: one short answer
             gen, obs, env = [1], [1], [_lognormal(rng, ttype.env_step_s)]
-        return Trajectory(
+        return SimTrajectory(
             traj_id=group_id * 1024 + index,
             group_id=group_id,
             index=index,
