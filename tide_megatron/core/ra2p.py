@@ -295,7 +295,7 @@ def should_feed(mode: RA2PMode, ready_tokens: int, dp_size: int, cfg: RA2PConfig
 
 # ---------------------------------------------------------------------- micro-batch planning
 @dataclass(frozen=True)
-class MicroBatch:
+class PlannedMicroBatch:
     """One micro-batch: per-DP-rank shards of sequence ids, each in feed order."""
 
     shards: tuple[tuple[Hashable, ...], ...]
@@ -314,7 +314,7 @@ class MicroBatch:
 class MicroBatchPlan:
     mode: RA2PMode
     dp_size: int
-    micro_batches: tuple[MicroBatch, ...]
+    micro_batches: tuple[PlannedMicroBatch, ...]
 
     @property
     def rank_tokens(self) -> tuple[int, ...]:
@@ -400,8 +400,8 @@ def plan_microbatches(sequences: Union[Mapping[Hashable, int], Sequence[int]], d
     items = [pairs[i] for i in order]
     chunks = _form_micro_batches(items, dp_size, cfg)
 
-    def to_mb(shards: list[list[tuple[Hashable, int]]]) -> MicroBatch:
-        return MicroBatch(tuple(tuple(sid for sid, _ in s) for s in shards),
+    def to_mb(shards: list[list[tuple[Hashable, int]]]) -> PlannedMicroBatch:
+        return PlannedMicroBatch(tuple(tuple(sid for sid, _ in s) for s in shards),
                           tuple(sum(n for _, n in s) for s in shards))
 
     if mode is RA2PMode.COLOCATED:
