@@ -58,10 +58,10 @@ from tide_megatron.core.ctb import (
 )
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.ra2p import (
-    MicroBatch,
     MicroBatchPlan,
     MicroBatchTimes,
     ModeChoice,
+    PlannedMicroBatch,
     RA2PConfig,
     TrainerLayout,
     break_even_ras,
@@ -88,7 +88,7 @@ from tide_megatron.core.signals import (
 __all__ = [
     "Admit", "BufferConfig", "CTBConfig", "CTBScheduler", "CompletedGroup", "Decision",
     "ERSConfig", "ERSController", "ERSMeasurements", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
-    "MicroBatch", "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "RA2PConfig", "RA2PMode",
+    "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "PlannedMicroBatch", "RA2PConfig", "RA2PMode",
     "RankPool", "ReadinessEstimate", "ReadinessEstimator", "ReadinessMeter", "Requeue", "Resume", "Role",
     "RolePlan", "RolloutTask", "Segment", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenLedger",
     "TrainerLayout", "TrainingBatch", "Trajectory", "break_even_ras", "choose_mode", "colocated_latency",
