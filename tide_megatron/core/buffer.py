@@ -39,7 +39,7 @@ from tide_megatron.core.signals import (
     SignalsConfig,
     StepReadiness,
 )
-from tide_megatron.core.trajectory import Segment, Trajectory
+from tide_megatron.core.trajectory import Segment, Trajectory, is_fresh
 
 __all__ = ["BufferConfig", "CompletedGroup", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
            "Segment", "TokenLedger", "TrainingBatch", "Trajectory", "group_advantages"]
@@ -445,7 +445,7 @@ class GlobalBuffer:
 
     # ------------------------------------------------------------------ consumer side
     def is_fresh(self, version: int, consumer_version: int) -> bool:
-        return consumer_version - version <= self.config.max_staleness
+        return is_fresh(version, consumer_version, self.config.max_staleness)
 
     def drop_stale(self, consumer_version: int, now: float) -> list[GroupRecord]:
         """Drop every ready group that is too old to train `consumer_version`."""

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Optional
 
 from tide_megatron.core.ctb_deadline import GroupLatency, TrainerClock
+from tide_megatron.core.trajectory import is_fresh
 from tide_megatron.core.ctb_types import (  # noqa: F401  (re-exported: the policy's public types)
     PAPER_RULES,
     TERMINAL,
@@ -409,7 +410,8 @@ class CTBScheduler:
         exact rule: a late estimate of the step time never cancels work that may still count."""
         bound = self.config.max_staleness
         return [g.group_id for g in self._groups.values()
-                if g.version is not None and not g.cancelled and g.finished < g.total and g.version + bound < version]
+                if g.version is not None and not g.cancelled and g.finished < g.total
+                and not is_fresh(g.version, version, bound)]
 
     def _deadline_key(self, st: TaskStatus) -> float:
         """Earliest deadline first among equal priorities: the start version orders deadlines."""

@@ -21,6 +21,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable, Optional
 
 
+def is_fresh(version: int, consumer_version: int, max_staleness: int) -> bool:
+    """The staleness bound, the one rule every part applies (the buffer's drops, CTB's and the
+    controller's cancels): work of policy `version` may train the step that makes weights
+    `consumer_version` iff it is at most `max_staleness` versions older."""
+    return consumer_version - version <= max_staleness
+
+
 @dataclass(frozen=True)
 class Segment:
     """Generated tokens [start, end) of the trajectory, produced by weight `version`."""
