@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
+from tide_megatron.rollout.config import RolloutEngineConfig, TaskRunnerConfig
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resources
-from tide_megatron.rollout.engine import RolloutEngineConfig
-from tide_megatron.rollout.task_runner import TaskRunnerConfig
 from tide_megatron.trainer.config import TrainerConfig
 
 SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")

@@ -73,32 +73,35 @@ back (the file on the same node, the `image` call elsewhere), validates it again
 to retry. Text observations are unchanged.
 """
 
-from tide_megatron.envs.client import EnvClient
-from tide_megatron.envs.config import (
-    DoorGameConfig,
-    EnvClientConfig,
-    EnvConfig,
-    EnvServerConfig,
-    EnvServerLimits,
-    EnvServerProcessConfig,
-    GuiDesktopConfig,
-    ImageLimits,
-    LatencyConfig,
-    OSWorldConfig,
-    TextWorldConfig,
-)
-from tide_megatron.envs.errors import (
-    EnvError, EnvImageError, EnvProtocolError, EnvRemoteError, EnvServerDown, EnvSessionLost, EnvTimeout,
-)
-from tide_megatron.envs.protocol import Env, ImageRef, ResetResult, StepResult, TaskSpec
-from tide_megatron.envs.registry import build_env, register_env, registered_envs
-from tide_megatron.envs.server import EnvServer
-from tide_megatron.envs.server_process import EnvServerProcess
+import importlib
 
-__all__ = [
-    "DoorGameConfig", "Env", "EnvClient", "EnvClientConfig", "EnvConfig", "EnvError", "EnvImageError",
-    "EnvProtocolError", "EnvRemoteError", "EnvServer", "EnvServerConfig", "EnvServerDown", "EnvServerLimits",
-    "EnvServerProcess", "EnvServerProcessConfig", "EnvSessionLost", "EnvTimeout", "GuiDesktopConfig", "ImageLimits",
-    "ImageRef", "LatencyConfig", "OSWorldConfig", "ResetResult", "StepResult", "TaskSpec", "TextWorldConfig",
-    "build_env", "register_env", "registered_envs",
-]
+# Each name below is imported from its module on first use (PEP 562), not here: importing one
+# submodule runs this file first, and the env configs (`envs.config`) must import without the
+# server and the client; `python -m tide_megatron.envs.server` then also runs the server module
+# once, not a second copy of one this file imported.
+_EXPORTS = {name: module for module, names in {
+    "client": ("EnvClient",),
+    "config": ("DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerLimits",
+               "EnvServerProcessConfig", "GuiDesktopConfig", "ImageLimits", "LatencyConfig", "OSWorldConfig",
+               "TextWorldConfig"),
+    "errors": ("EnvError", "EnvImageError", "EnvProtocolError", "EnvRemoteError", "EnvServerDown",
+               "EnvSessionLost", "EnvTimeout"),
+    "protocol": ("Env", "ImageRef", "ResetResult", "StepResult", "TaskSpec"),
+    "registry": ("build_env", "register_env", "registered_envs"),
+    "server": ("EnvServer",),
+    "server_process": ("EnvServerProcess",),
+}.items() for name in names}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Protocol
 
 from sglang_patches.task_tag import TaskTag
-from tide_megatron.rollout.task_runner import TaskAssignment
+from tide_megatron.comm.messages import TaskAssignment
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from tide_megatron.comm.messages import TaskAssignment
 from tide_megatron.core.ctb import (
     Admit,
     Cancel,
@@ -42,7 +43,6 @@ from tide_megatron.core.ctb import (
 from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_carrier import Carrier, TagFields
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, resident_cap_for_rows
-from tide_megatron.rollout.task_runner import TaskAssignment
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from sglang_patches.task_tag import TaskTag
+from tide_megatron.comm.messages import TaskAssignment
+from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.rollout.ctb_carrier import TagFields
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig
 from tide_megatron.rollout.ctb_dispatcher import CTBDispatcher, RankResources
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
-from tide_megatron.rollout.task_runner import TaskAssignment, Trajectory
 
 
 class LocalCarrier:

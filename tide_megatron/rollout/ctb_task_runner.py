@@ -38,15 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from sglang_patches.task_tag import ADMIT, RESUME, TURN, TaskTag
+from tide_megatron.comm.messages import TaskAssignment
+from tide_megatron.core.trajectory import Segment, Trajectory
 from tide_megatron.envs.client import EnvClient
 from tide_megatron.envs.errors import EnvError
-from tide_megatron.rollout.chat import ChatFormat
-from tide_megatron.rollout.engine import Generation, RolloutEngine
-from tide_megatron.core.trajectory import Segment
 from tide_megatron.models.qwen3_vl_inputs import encode_image_for_record
+from tide_megatron.rollout.chat import ChatFormat
+from tide_megatron.rollout.config import TaskRunnerConfig
+from tide_megatron.rollout.engine import Generation, RolloutEngine
+from tide_megatron.rollout.episode import Episode
 from tide_megatron.rollout.multimodal import ImageInputError, observation_images
 from tide_megatron.rollout.task_carry import CarriedTask, episode_from_json, episode_to_json, pending_step
-from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, Trajectory, _Episode
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +165,10 @@ class CTBTaskRunner:
             except BaseException:
                 await self.env.close_quietly(env_session)
                 raise
-            ep = _Episode(tokens=[], env_wait_s=time.monotonic() - t0,
-                          version=self.engines[handle.rank].weight_version if handle.rank in self.engines
-                          else min(e.weight_version for e in self.engines.values()),
-                          send_tokens=[] if self.images is not None else None)
+            ep = Episode(tokens=[], env_wait_s=time.monotonic() - t0,
+                         version=self.engines[handle.rank].weight_version if handle.rank in self.engines
+                         else min(e.weight_version for e in self.engines.values()),
+                         send_tokens=[] if self.images is not None else None)
             ep.append(ids, 0, send_ids=send, images=images)
         else:
             started = carry.started_at
@@ -251,7 +253,7 @@ class CTBTaskRunner:
                                   "is text-only")
         return self.images.prepare(data, f"task {task_id} (carried)")
 
-    async def _turns(self, env_session: str, ep: _Episode, handle: TaskHandle, listener: TurnListener,
+    async def _turns(self, env_session: str, ep: Episode, handle: TaskHandle, listener: TurnListener,
                      task_id: str, result=None) -> None:
         """Generate and step the env until the episode ends. `result`: the env's answer to the
         episode's pending action, already known (a carried task's attach brought it)."""
@@ -290,7 +292,7 @@ class CTBTaskRunner:
             ep.append(ids, 0, send_ids=send, images=images)
             pending, result = (send, images), None
 
-    async def _generate_turn(self, ep: _Episode, pending: tuple[list[int], list], previous_rid: Optional[str],
+    async def _generate_turn(self, ep: Episode, pending: tuple[list[int], list], previous_rid: Optional[str],
                              remaining: int, handle: TaskHandle, listener: TurnListener) -> tuple[Generation, int]:
         """One turn on the rank the task is placed on; returns the generation and the weight
         version that produced it."""

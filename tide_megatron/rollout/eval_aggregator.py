@@ -21,7 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from tide_megatron.rollout.task_runner import TaskAssignment, Trajectory
+from tide_megatron.comm.messages import TaskAssignment
+from tide_megatron.core.trajectory import Trajectory
 
 
 @dataclass

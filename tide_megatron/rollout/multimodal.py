@@ -10,7 +10,7 @@ Token-in/token-out with images works like this (SGLang 0.5.23, `qwen3_vl`):
   turn that SGLang's context length equals its own;
 - with a streaming session, a turn sends only its new ids and its new images; a fresh session
   (first turn, a task resumed by CTB, or no sessions at all) sends the whole context in the
-  one-pad form with every image so far, so the episode keeps both forms (`_Episode.send_tokens`).
+  one-pad form with every image so far, so the episode keeps both forms (`episode.Episode.send_tokens`).
 
 An image the env returns is decoded and checked here first (`ImageInputError`, naming the task,
 turn and image): a corrupt or oversized image fails the task with that message, which the rollout

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tide_megatron.core.trajectory import Segment
-from tide_megatron.rollout.task_runner import _Episode
+from tide_megatron.rollout.episode import Episode
 
 
 @dataclass
@@ -37,7 +37,7 @@ class CarriedTask:
     claim: str
     """The env session's single-use claim (`EnvClient.detach`)."""
     episode: dict[str, Any]
-    """The `_Episode` so far (`episode_to_json`)."""
+    """The `Episode` so far (`episode_to_json`)."""
     started_at: float
     """Wall-clock time the task first started (the trajectory's `started_at`)."""
     pauses: int = 0
@@ -63,7 +63,7 @@ class CarriedTask:
                    int(data.get("moves", 0)), [int(r) for r in data.get("carried_from", [])])
 
 
-_REQUIRED = ("tokens", "env_wait_s", "version")  # `_Episode`'s fields without a default
+_REQUIRED = ("tokens", "env_wait_s", "version")  # `Episode`'s fields without a default
 _PLAIN = (*_REQUIRED, "loss_mask", "logprobs", "reward", "turns", "truncated", "generated", "prompt_tokens",
           "cached_tokens", "generate_s", "info", "send_tokens", "env_steps", "pending_action")
 
@@ -77,17 +77,17 @@ async def release_claim(env, claim: str) -> None:
     await env.close_quietly(attached.session_id)
 
 
-def episode_to_json(ep: _Episode) -> dict[str, Any]:
+def episode_to_json(ep: Episode) -> dict[str, Any]:
     out = {k: getattr(ep, k) for k in _PLAIN}
     out["segments"] = [[s.start, s.end, s.version] for s in ep.segments]
     out["images"] = [base64.b64encode(im.data).decode("ascii") for im in ep.images]
     return out
 
 
-def episode_from_json(data: dict[str, Any], prepare_images) -> _Episode:
+def episode_from_json(data: dict[str, Any], prepare_images) -> Episode:
     """The episode of a carried task; `prepare_images(list[bytes])` measures its images again
     (`ImagePrompts.prepare`; only called when there are images)."""
-    ep = _Episode(tokens=list(data["tokens"]), env_wait_s=float(data["env_wait_s"]), version=int(data["version"]))
+    ep = Episode(tokens=list(data["tokens"]), env_wait_s=float(data["env_wait_s"]), version=int(data["version"]))
     for k in _PLAIN[len(_REQUIRED):]:
         setattr(ep, k, data[k])
     ep.loss_mask, ep.logprobs = list(ep.loss_mask), list(ep.logprobs)
@@ -99,7 +99,7 @@ def episode_from_json(data: dict[str, Any], prepare_images) -> _Episode:
     return ep
 
 
-def pending_step(ep: _Episode, server_steps: int, last_turn: Optional[int] = None) -> Optional[str]:
+def pending_step(ep: Episode, server_steps: int, last_turn: Optional[int] = None) -> Optional[str]:
     """What the new rank does about the episode's last action (module docstring): "send" it,
     take the attach's "result", or nothing (None: the episode ends with an observation).
     `last_turn`: the step the attach's result answers (`AttachResult.last_turn`); when the env

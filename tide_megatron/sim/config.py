@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from omegaconf import MISSING
+MISSING = "???"
+"""OmegaConf's marker of a value a YAML file must give (`omegaconf.MISSING`), spelled out here so
+that the simulator's configs import no OmegaConf."""
 
 MODES = ("sync", "async_static", "stream", "elastic", "tide")
 STALENESS_RULES = ("cancel", "drop")

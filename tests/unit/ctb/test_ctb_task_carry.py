@@ -9,8 +9,9 @@ import pytest
 from ctb_fakes import FakeChat, HandoffEnv, RowModelEngine
 
 from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
+from tide_megatron.rollout.episode import Episode
 from tide_megatron.rollout.task_carry import CarriedTask, pending_step
-from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig, _Episode
+from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunnerConfig
 
 STEPS = 4
 NEW = 4  # tokens per turn (RowModelEngine.new_tokens)
@@ -113,14 +114,14 @@ def test_a_paused_task_is_carried_between_turns():
 
 @pytest.mark.parametrize("pending,server,expect", [(None, 3, None), ("a", 3, "send"), ("a", 4, "result")])
 def test_the_new_rank_reads_the_env_sessions_step_count(pending, server, expect):
-    ep = _Episode(tokens=[], env_wait_s=0.0, version=0, env_steps=3, pending_action=pending)
+    ep = Episode(tokens=[], env_wait_s=0.0, version=0, env_steps=3, pending_action=pending)
     assert pending_step(ep, server) == expect
 
 
 @pytest.mark.parametrize("pending,server,last_turn", [(None, 4, 4), ("a", 2, 2), ("a", 5, 5), ("a", 4, 3)])
 def test_a_session_that_disagrees_with_the_episode_is_refused(pending, server, last_turn):
     """(the last: the env took the pending step, but the server refused its result)"""
-    ep = _Episode(tokens=[], env_wait_s=0.0, version=0, env_steps=3, pending_action=pending)
+    ep = Episode(tokens=[], env_wait_s=0.0, version=0, env_steps=3, pending_action=pending)
     with pytest.raises(RuntimeError, match="carried task"):
         pending_step(ep, server, last_turn)
 
