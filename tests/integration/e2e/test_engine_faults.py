@@ -4,31 +4,22 @@ run completes with every step whole and no token lost. Sync and tide mode."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tide_megatron.rollout.worker import FAULT_KILL_ENGINE_ENV
+from tide_megatron.testing import child_env, read_metrics, run_job
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("mode", ["sync", "tide"])
 def test_the_run_survives_a_dead_engine(tmp_path, mode):
-    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
-           str(REPO / "launch" / "train.py"),
-           "+recipe=tiny_cpu", "metrics.progress=false", "metrics.tensorboard=false", "run.checkpoint_interval=0",
-           f"scheduler.mode={mode}", "run.steps=4", "scheduler.stall_timeout_s=180", f"run.output_dir={tmp_path}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{FAULT_KILL_ENGINE_ENV: "2"})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    proc = run_job("metrics.tensorboard=false", "run.checkpoint_interval=0", f"scheduler.mode={mode}", "run.steps=4",
+                   "scheduler.stall_timeout_s=180", f"run.output_dir={tmp_path}", timeout=900,
+                   env=child_env(**{FAULT_KILL_ENGINE_ENV: "2"}))
     assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["groups"] == 4 for r in rows)  # every step trained whole groups
     assert rows[-1]["ledger/lost"] == 0

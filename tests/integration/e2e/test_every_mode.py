@@ -8,28 +8,23 @@ Short runs (2-3 steps) of the tiny recipe; each is a full torchrun job with SGLa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tide_megatron.testing import read_metrics, run_job
+
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[3]
 # The tiny recipe's live context: 2 x groups_per_step x group_size tasks of up to ~300 tokens.
 LIVE_CONTEXT_TOKENS = 2 * 4 * 4 * 300
 
 
 def train(run_dir: Path, ranks: int, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(ranks),
-           str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", "metrics.progress=false", "metrics.tensorboard=false",
-           "run.checkpoint_interval=0", "scheduler.stall_timeout_s=120", f"run.output_dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_job("metrics.tensorboard=false", "run.checkpoint_interval=0", "scheduler.stall_timeout_s=120",
+                   f"run.output_dir={run_dir}", *overrides, nproc=ranks, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def check(rows: list[dict], steps: int, groups: int) -> None:

@@ -4,31 +4,24 @@ while rollout goes on. Three ranks: actor (+ controller), a dedicated reference 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tide_megatron.testing import read_metrics, run_job
 
-REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.integration
 
 
 def run_tide(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "3", str(REPO / "launch" / "train.py"),
-           "+recipe=tiny_cpu", "scheduler.mode=tide", "cluster.ref_ranks=1", "metrics.progress=false",
-           "scheduler.groups_per_step=3", "scheduler.group_size=2", "run.steps=3", "run.checkpoint_interval=0",
-           f"run.output_dir={run_dir}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_job("scheduler.mode=tide", "cluster.ref_ranks=1", "scheduler.groups_per_step=3",
+                   "scheduler.group_size=2", "run.steps=3", "run.checkpoint_interval=0", f"run.output_dir={run_dir}",
+                   *overrides, nproc=3, timeout=900)
 
 
 def rows(run_dir: Path, eval_rows: bool = False) -> list[dict]:
-    out = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in out if ("eval/mean_reward" in r) == eval_rows]
+    return [r for r in read_metrics(run_dir) if ("eval/mean_reward" in r) == eval_rows]
 
 
 @pytest.mark.parametrize("executor", ["auto", "decoupled"])

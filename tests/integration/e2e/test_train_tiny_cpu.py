@@ -3,32 +3,21 @@ errors a user gets for bad input. Two ranks: rank 0 trains (and controls), rank 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tide_megatron.testing import read_metrics, run_job
 from tide_megatron.utils.net import free_port
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[3]
 FAST = ["scheduler.groups_per_step=2", "scheduler.group_size=2", "rollout.runner.max_turns=4"]
 
 
 def torchrun(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
-           str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", "metrics.progress=false", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_job(*overrides, recipe="tiny_cpu", timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +29,7 @@ def trained(tmp_path_factory) -> Path:
 
 
 def test_run_writes_metrics_every_step(trained):
-    rows = metrics(trained)
+    rows = read_metrics(trained)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for key in ("consumed_tokens", "goodput_tok_s", "run_goodput_tok_s", "time/train_s", "time/sync_s",
@@ -62,7 +51,7 @@ def test_checkpoints_and_resume(trained):
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000002"
     proc = torchrun(f"run.output_dir={trained}", "run.steps=3", "run.resume=true", *FAST)
     assert proc.returncode == 0, proc.stderr[-8000:]
-    assert [r["step"] for r in metrics(trained)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(trained)] == [1, 2, 3]
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000003"
 
 

@@ -6,28 +6,20 @@ start-up, screenshots of the GUI desktop through SGLang, the Megatron Qwen3-VL t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tide_megatron.testing import read_metrics, run_job
+
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[3]
 FAST = ["scheduler.groups_per_step=2", "scheduler.group_size=4", "rollout.runner.max_turns=3"]
 
 
 def torchrun(*overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "2",
-           str(REPO / "launch" / "train.py"), "+recipe=tiny_vl_cpu", "metrics.progress=false", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_job(*overrides, recipe="tiny_vl_cpu", timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +37,7 @@ def test_the_run_writes_a_vision_language_checkpoint(trained):
 
 
 def test_steps_train_on_screenshots_and_count_their_tokens(trained):
-    rows = metrics(trained)
+    rows = read_metrics(trained)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["consumed_tokens"] > 0 and r["ledger/failed"] == 0
@@ -61,4 +53,4 @@ def test_resume_continues_from_the_checkpoint(trained):
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000002"
     proc = torchrun(f"run.output_dir={trained}", "run.steps=3", "run.resume=true", *FAST)
     assert proc.returncode == 0, proc.stderr[-8000:]
-    assert [r["step"] for r in metrics(trained)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(trained)] == [1, 2, 3]

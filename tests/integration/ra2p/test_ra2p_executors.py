@@ -7,7 +7,6 @@ log-prob stream group over all three); the tests read what the Actor ranks recor
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
+from tide_megatron.testing import run_script
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +29,7 @@ COLOCATED = ("colocated", "vanilla_streaming_offload", "vanilla_streaming", "col
 def ranks(tmp_path_factory) -> list[dict]:
     hf_dir = write_random_hf_checkpoint(tmp_path_factory.mktemp("hf"), ModelConfig(**MODEL_KWARGS), seed=0)
     out = str(tmp_path_factory.mktemp("out"))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, WORKER, "--hf", hf_dir, "--out", out],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_script(WORKER, "--hf", hf_dir, "--out", out, timeout=600)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(NUM_ACTORS)]
 
 

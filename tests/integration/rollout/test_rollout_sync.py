@@ -5,12 +5,11 @@ See rollout_sync_worker.py: one subprocess runs everything and reports; tests re
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tide_megatron.testing import run_report
 
 pytestmark = pytest.mark.integration
 
@@ -20,14 +19,7 @@ LOGPROB_ATOL = 1e-4  # fp32; SGLang torch_native attention vs Megatron local att
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("rollout_sync")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    proc = subprocess.run([sys.executable, WORKER, "--out", str(out)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    with open(out / "results.json") as f:
-        return json.load(f)
+    return run_report(WORKER, tmp_path_factory.mktemp("rollout_sync"), timeout=900)
 
 
 def test_trajectories_are_consistent_token_records(report):

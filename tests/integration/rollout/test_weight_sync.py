@@ -9,11 +9,12 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tide_megatron.testing import run_script
 
 pytestmark = pytest.mark.integration
 
@@ -44,11 +45,7 @@ def _as_sglang(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_change(tmp_path, tp):
     from safetensors.torch import load_file
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    proc = subprocess.run([sys.executable, WORKER, "--tp", str(tp), "--out", str(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_script(WORKER, "--tp", tp, "--out", tmp_path, timeout=1200)
     kinds = set()
     for version in (1, 2, 3):
         want = {n: _digest(t) for n, t in _as_sglang(torch.load(tmp_path / f"trainer_v{version}.pt")).items()}

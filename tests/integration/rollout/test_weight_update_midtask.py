@@ -4,13 +4,12 @@ behaviour log-probs of each token. See weight_update_worker.py."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tide_megatron.testing import run_report
 
 pytestmark = pytest.mark.integration
 
@@ -20,13 +19,7 @@ ATOL = 1e-4  # fp32: SGLang torch_native attention vs Megatron local attention
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("midtask")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    proc = subprocess.run([sys.executable, WORKER, "--out", str(out)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads((out / "report.json").read_text())
+    return run_report(WORKER, tmp_path_factory.mktemp("midtask"), timeout=900, report="report.json")
 
 
 def test_the_update_drops_every_session_of_the_old_weights(report):

@@ -5,7 +5,6 @@ gloo processes; the tests compare what they wrote)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
 from tide_megatron.models.weight_conversion import hf_to_megatron
+from tide_megatron.testing import run_script
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 def _run(scenario: str, hf_dir: str, out_dir: str) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, WORKER, "--scenario", scenario, "--hf", hf_dir, "--out", out_dir],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_script(WORKER, "--scenario", scenario, "--hf", hf_dir, "--out", out_dir, timeout=900)
     return {r: torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD[scenario])}
 
 

@@ -8,7 +8,6 @@ the pytest process itself (its CPU shims are process-wide).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from tide_megatron.models.config import ModelConfig
 from tide_megatron.models.hf_checkpoint import load_hf_model, write_random_hf_checkpoint
+from tide_megatron.testing import run_script
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 def _run_worker(hf_dir: str, out_dir: str, world: int, tp: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, WORKER, "--world", str(world), "--tp", str(tp), "--hf", hf_dir,
-                           "--out", out_dir], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_script(WORKER, "--world", world, "--tp", tp, "--hf", hf_dir, "--out", out_dir, timeout=600)
     results = torch.load(os.path.join(out_dir, "results.pt"), weights_only=False)
     results["hf_after"] = torch.load(os.path.join(out_dir, "hf_after.pt"))
     results["out_dir"] = out_dir

@@ -10,19 +10,18 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.models.policy import banned_token_ids
 from tide_megatron.models.qwen3_vl_checkpoint import load_hf_vl_model, write_random_vl_checkpoint
 from tide_megatron.models.qwen3_vl_config import VisionTowerConfig, VLModelConfig
-from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.models.qwen3_vl_inputs import ImageProcessor, TrajectoryImages, encode_image_for_record
+from tide_megatron.testing import run_script
 from tide_megatron.tokenizer import TINY_BPE_DIR
 from tide_megatron.trainer.logprobs import BANNED_LOGIT
 
@@ -82,10 +81,8 @@ def setup(tmp_path_factory):
 
 def _run(setup, out_dir: str, world: int, tp: int) -> dict:
     path, _, _, records_path = setup
-    proc = subprocess.run([sys.executable, WORKER, "--world", str(world), "--tp", str(tp), "--hf", path,
-                           "--records", records_path, "--out", out_dir], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_script(WORKER, "--world", world, "--tp", tp, "--hf", path, "--records", records_path, "--out", out_dir,
+               timeout=900)
     results = torch.load(os.path.join(out_dir, "results.pt"), weights_only=False)
     results["hf_after"] = torch.load(os.path.join(out_dir, "hf_after.pt"))
     return results

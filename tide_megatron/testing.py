@@ -1,0 +1,59 @@
+"""Running a worker script or a whole job from a test or a benchmark: one place for what a
+child process is given and how its failure reads.
+
+Every integration test starts its ranks in a child process (a process group, SGLang's engine
+and Megatron's globals must not outlive the test), with one intra-op thread per process (the
+development and CI machines have two cores) and without the variable through which torchrun
+tells its children to use the agent's store (a test run under torchrun would hand it on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's child process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    env.update(extra)
+    return env
+
+
+def run_script(script: str | os.PathLike, *args: Any, timeout: float, check: bool = True,
+               stderr_tail: int = 6000) -> subprocess.CompletedProcess:
+    """`python script args...` in a child process; with `check`, a non-zero exit fails the
+    caller with the end of the child's stderr (where its traceback is)."""
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                          env=child_env(), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{Path(script).name} exited {proc.returncode}:\n{proc.stderr[-stderr_tail:]}")
+    return proc
+
+
+def run_report(script: str | os.PathLike, out_dir: str | os.PathLike, *args: Any, timeout: float,
+               report: str = "results.json") -> dict:
+    """Run a worker script that writes a JSON `report` into `--out out_dir`; return it."""
+    run_script(script, *args, "--out", out_dir, timeout=timeout)
+    return json.loads((Path(out_dir) / report).read_text())
+
+
+def run_job(*overrides: str, recipe: str = "tiny_cpu", nproc: int = 2, timeout: float = 600,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`launch/torchrun.py --nproc-per-node N launch/train.py +recipe=R overrides...` from the
+    repository root, progress lines off; the caller checks the outcome (errors are tested too)."""
+    cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(nproc),
+           str(REPO / "launch" / "train.py"), f"+recipe={recipe}", "metrics.progress=false", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=REPO)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """A run's per-step metrics (`metrics.jsonl`), in order."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
