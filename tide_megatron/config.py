@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tide_megatron.core.modes import SCHEDULER_MODES
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
 from tide_megatron.rollout.config import RolloutEngineConfig, TaskRunnerConfig
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resources
 from tide_megatron.trainer.config import TrainerConfig
 
-SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")
 RESUME_MODES = ("auto", "true", "false")
 RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("sync", "async_static", "stream", "tide")
+from tide_megatron.core.modes import SCHEDULER_MODES as MODES
 
 
 @dataclass(frozen=True)

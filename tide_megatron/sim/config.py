@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from tide_megatron.core.modes import SCHEDULER_MODES, SIM_ONLY_MODES
+
 MISSING = "???"
 """OmegaConf's marker of a value a YAML file must give (`omegaconf.MISSING`), spelled out here so
 that the simulator's configs import no OmegaConf."""
 
-MODES = ("sync", "async_static", "stream", "elastic", "tide")
+MODES = SCHEDULER_MODES + SIM_ONLY_MODES
 STALENESS_RULES = ("cancel", "drop")
 
 

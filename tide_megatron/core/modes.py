@@ -1,0 +1,14 @@
+"""The scheduling modes a job can run in, named once for the real system and the simulator.
+
+The paper compares TIDE with a synchronous (VeRL-like), a static-partition asynchronous
+(AReaL-like) and a streaming (StreamRL-like) system; each is a mode of the same controller
+(`controller/modes.py` says what each mode does) and of the simulator.
+"""
+
+from __future__ import annotations
+
+SCHEDULER_MODES = ("sync", "async_static", "stream", "tide")
+"""The modes of `scheduler.mode`, real runs and simulator alike."""
+
+SIM_ONLY_MODES = ("elastic",)
+"""Baselines only the simulator models (`elastic`: verl-like dynamic scaling, `sim/verl_elastic.py`)."""
