@@ -10,9 +10,10 @@ export OMP_NUM_THREADS := 1
 setup:
 	bash scripts/setup_env.sh
 
-# The tiny CPU recipe end to end: random tiny Qwen2 model, real SGLang + Megatron-core, 2 ranks.
+# The tiny CPU recipe end to end in TIDE mode (CTB, RA2P): random tiny Qwen2 model, real SGLang +
+# Megatron-core, 2 ranks.
 tiny: setup
-	$(PY) launch/torchrun.py --nproc-per-node 2 launch/train.py +recipe=tiny_cpu
+	$(PY) launch/torchrun.py --nproc-per-node 2 launch/train.py +recipe=tiny_cpu scheduler.mode=tide
 
 # Every test tier that runs here (GPU tests skip with a reason when CUDA is absent).
 test: setup

@@ -27,6 +27,9 @@ from tide_megatron.utils.console import say
 logger = logging.getLogger(__name__)
 
 
+TIDE_COUNTERS = ("placement/admits", "placement/pauses", "placement/resumes", "ers/changes", "ers/moves")
+"""Cumulative counters of a tide-mode run that its end-of-run summary reports."""
+
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0,
                  jsonl: bool = True, tensorboard: bool = True, progress: bool = True,
@@ -40,6 +43,7 @@ class MetricsLogger:
         """Other files of the run the end-of-run summary names (label -> path, perhaps with a note)."""
         self._started = time.monotonic()
         self._steps: list[dict[str, float]] = []  # the few numbers the end-of-run summary needs
+        self._tide: Optional[dict[str, Any]] = None  # what TIDE's mechanisms did (tide mode), for the summary
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if resume_step is not None and jsonl:
             dropped = truncate_after(self.path, resume_step)
@@ -64,6 +68,8 @@ class MetricsLogger:
         self.log_at(step, metrics)
         self._steps.append({k: float(metrics[k]) for k in ("reward/mean", "goodput_tok_s", "consumed_tokens")
                             if isinstance(metrics.get(k), (int, float))})
+        if metrics.get("mode") == "tide":
+            self._note_tide(metrics)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
@@ -91,6 +97,27 @@ class MetricsLogger:
         """The first dispatch: the run's goodput counts wall time from here (engine start-up excluded)."""
         self._started = time.monotonic()
 
+    def _note_tide(self, metrics: dict[str, Any]) -> None:
+        if self._tide is None:
+            self._tide = {"modes": {}}
+        modes = self._tide["modes"]
+        if "ra2p/mode" in metrics:
+            modes[metrics["ra2p/mode"]] = modes.get(metrics["ra2p/mode"], 0) + 1
+        for key in TIDE_COUNTERS:  # cumulative counters: the latest is the run's
+            if isinstance(metrics.get(key), (int, float)):
+                self._tide[key] = max(float(metrics[key]), self._tide.get(key, 0.0))
+
+    def tide_lines(self) -> list[str]:
+        """What CTB, RA2P and ERS did over the run (a tide-mode run; nothing otherwise)."""
+        t = self._tide
+        if t is None:
+            return []
+        n = lambda key: int(t.get(key, 0))  # noqa: E731
+        modes = ", ".join(f"{mode} {count}" for mode, count in sorted(t["modes"].items())) or "none"
+        return [f"CTB: {n('placement/admits')} tasks admitted, {n('placement/pauses')} paused, "
+                f"{n('placement/resumes')} resumed; RA2P steps by mode: {modes}; "
+                f"ERS: {n('ers/changes')} role changes, {n('ers/moves')} rank moves"]
+
     def summary(self, checkpoint_dir: str | None = None) -> list[str]:
         """The end-of-run lines: steps, wall time, goodput, reward first vs last, where outputs are."""
         wall = time.monotonic() - self._started
@@ -103,6 +130,7 @@ class MetricsLogger:
         rewards = [s["reward/mean"] for s in self._steps if "reward/mean" in s]
         if rewards:
             lines.append(f"reward/mean: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
+        lines.extend(self.tide_lines())
         if self._jsonl:
             lines.append(f"metrics: {self.path}")
         if self._tb:

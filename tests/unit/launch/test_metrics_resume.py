@@ -82,3 +82,18 @@ def test_fault_injector_kills_after_the_step_in_the_first_attempt_only():
     unset = subprocess.run([sys.executable, "-c", KILL_SCRIPT], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != KILL_AFTER_STEP_ENV})
     assert restarted.stdout.strip() == unset.stdout.strip() == "alive"
+
+
+def test_the_summary_of_a_tide_run_says_what_ctb_ra2p_and_ers_did(tmp_path):
+    logger = MetricsLogger(str(tmp_path), total_steps=3, tensorboard=False, progress=False)
+    logger.log(1, {"mode": "tide", "ra2p/mode": "colocated", "placement/admits": 40, "placement/pauses": 2,
+                   "placement/resumes": 1, "ers/changes": 1.0, "ers/moves": 2.0})
+    logger.log(2, {"mode": "tide", "ra2p/mode": "decoupled", "placement/admits": 72, "placement/pauses": 5,
+                   "placement/resumes": 4})  # no role change this step: ERS keys absent
+    logger.log(3, {"mode": "tide", "ra2p/mode": "colocated", "placement/admits": 90, "placement/pauses": 5,
+                   "placement/resumes": 5, "ers/changes": 2.0, "ers/moves": 3.0})
+    assert ("CTB: 90 tasks admitted, 5 paused, 5 resumed; RA2P steps by mode: colocated 2, decoupled 1; "
+            "ERS: 2 role changes, 3 rank moves") in logger.summary()
+    sync = MetricsLogger(str(tmp_path / "sync"), total_steps=1, tensorboard=False, progress=False)
+    sync.log(1, {"mode": "sync", "ra2p/mode": "colocated", "placement/admits": 4})
+    assert not any(line.startswith("CTB:") for line in sync.summary())
