@@ -19,12 +19,17 @@ padding; `MicroBatch.model_inputs()` is what the model's forward takes besides i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from tide_megatron.trainer.loss_in_backward import PendingLogprobs
+
+@runtime_checkable
+class PendingLogprobs(Protocol):
+    """Reference log-probs that may not have arrived yet (`loss_in_backward.py`'s handles).
+    `wait()` blocks, returns # [B, T]."""
+
+    def wait(self) -> torch.Tensor: ...
 
 
 @dataclass

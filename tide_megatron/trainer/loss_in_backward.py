@@ -22,20 +22,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Protocol, runtime_checkable
 
 import torch
 
-from tide_megatron.trainer.batch import MicroBatch
+from tide_megatron.trainer.batch import MicroBatch, PendingLogprobs
 from tide_megatron.trainer.config import TrainerConfig
 from tide_megatron.trainer.grpo_loss import grpo_loss_grad_wrt_logprobs, grpo_token_loss
-
-
-@runtime_checkable
-class PendingLogprobs(Protocol):
-    """Reference log-probs that may not have arrived yet. `wait()` blocks, returns # [B, T]."""
-
-    def wait(self) -> torch.Tensor: ...
 
 
 class ReadyLogprobs:
