@@ -13,7 +13,10 @@ stream wait for the collective, not the host, and a collective launched later wa
 copies queued before it. Gloo (CPU) runs each broadcast on its own thread in posting order.
 
 The bucket layout is a function of the manifest alone (`bucket_ranges`), so the receivers
-know every bucket's size and contents before it arrives.
+know every bucket's size and contents before it arrives. A bucket travels as its bytes: the
+tensors' bytes end to end, which is what SGLang's receiver of
+`update_weights_from_distributed(..., load_format="flattened_bucket")` allocates
+(`FlattenedTensorBucket`) and what a test checks it reads.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def _layout(manifest: WeightManifest) -> tuple[list[int], list[tuple[int, int]],
     return numels, ranges, max(sum(numels[lo:hi]) for lo, hi in ranges)
 
 
+def bucket_specs(manifest: WeightManifest) -> list[tuple[list[str], list[list[int]]]]:
+    """Each bucket's tensor names and shapes, in order (all of the manifest's dtype): what an
+    SGLang engine is told for each `update_weights_from_distributed` call."""
+    _, ranges, _ = _layout(manifest)
+    return [(manifest.names[lo:hi], manifest.shapes[lo:hi]) for lo, hi in ranges]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -85,7 +95,7 @@ def broadcast_weights(group: dist.ProcessGroup | None, named: Iterable[tuple[str
                 raise ValueError(f"weight {k}: expected {manifest.names[k]} {manifest.shapes[k]}, got {got}")
             buf[offset: offset + numels[k]].copy_(t.detach().reshape(-1), non_blocking=True)
             offset += numels[k]
-        works[b % 2] = dist.broadcast(buf[:offset], src, group=group, async_op=True)
+        works[b % 2] = dist.broadcast(buf[:offset].view(torch.uint8), src, group=group, async_op=True)
         total += offset * buf.element_size()
     for work in works:
         if work is not None:
@@ -119,7 +129,7 @@ def receive_weights(group: dist.ProcessGroup | None, manifest: WeightManifest, s
         n = sum(numels[lo:hi])
         # This buffer's previous bucket was loaded in the iteration before last; on GPU the
         # broadcast below waits for those copies (they were queued first on the current stream).
-        work = dist.broadcast(bufs[b % 2][:n], src, group=group, async_op=True)
+        work = dist.broadcast(bufs[b % 2][:n].view(torch.uint8), src, group=group, async_op=True)
         total += n * bufs[b % 2].element_size()
         if pending is not None:
             finish(*pending)

@@ -1,6 +1,8 @@
 """The bucketed broadcast (`comm/bucket_broadcast.py`) over gloo between three processes: one
 sender, two receivers. Every receiver ends with each tensor equal to the sender's (a hash each),
-whatever the bucket size: many small buckets, a tensor larger than a bucket, one bucket for all."""
+whatever the bucket size: many small buckets, a tensor larger than a bucket, one bucket for all;
+and SGLang's own receiver of a flattened bucket (`FlattenedTensorBucket`, what
+`update_weights_from_distributed(load_format="flattened_bucket")` does) reads the same buckets."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tide_megatron.comm.bucket_broadcast import broadcast_weights, receive_weights
+from tide_megatron.comm.bucket_broadcast import broadcast_weights, bucket_specs, receive_weights
 from tide_megatron.comm.weight_sync import manifest_of
 from tide_megatron.utils.net import free_port
 
@@ -31,21 +33,38 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def _worker(rank: int, port: int, bucket_bytes: int, out_dir: str) -> None:
+def _sglang_receive(manifest, src: int) -> dict[str, torch.Tensor]:
+    """What an SGLang engine's scheduler does per bucket (`WeightUpdater`'s bucketed receive)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    got = {}
+    for names, shapes in bucket_specs(manifest):
+        bucket = FlattenedTensorBucket.empty(names, [manifest.dtype] * len(names), shapes, "cpu")
+        dist.broadcast(bucket.get_flattened_tensor(), src=src)
+        got.update({n: t.clone() for n, t in bucket.reconstruct_tensors()})
+    return got
+
+
+def _worker(rank: int, port: int, bucket_bytes: int, out_dir: str, sglang_receivers: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
                             timeout=timedelta(seconds=60))
     try:
         for version in (1, 2):  # a second sync reuses nothing of the first
             named = _named(version)
             manifest = manifest_of(named, version, bucket_bytes)
+            got: dict[str, torch.Tensor] = {}
+            stats = None
             if rank == 0:
                 stats = broadcast_weights(None, iter(named), manifest, 0, "cpu")
+            elif sglang_receivers:
+                got = _sglang_receive(manifest, 0)
             else:
-                got: dict[str, torch.Tensor] = {}
                 stats = receive_weights(None, manifest, 0, "cpu",
                                         lambda views: got.update({n: t.clone() for n, t in views}))
+            if rank:
                 torch.save({n: _digest(t) for n, t in got.items()}, os.path.join(out_dir, f"r{rank}_v{version}.pt"))
-            torch.save((stats.nbytes, stats.buckets), os.path.join(out_dir, f"stats{rank}_v{version}.pt"))
+            if stats is not None:
+                torch.save((stats.nbytes, stats.buckets), os.path.join(out_dir, f"stats{rank}_v{version}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -64,6 +83,14 @@ def test_every_receiver_holds_the_senders_tensors(tmp_path, bucket_bytes):
             assert torch.load(tmp_path / f"stats{rank}_v{version}.pt") == sent
         # 300 bytes gives every tensor a bucket of its own; 1 MiB holds them all in one.
         assert sent[1] == {300: 7, 4096: 4, 1 << 20: 1}[bucket_bytes]
+
+
+def test_sglangs_flattened_bucket_receiver_reads_what_the_sender_broadcasts(tmp_path):
+    mp.start_processes(_worker, args=(free_port(), 4096, str(tmp_path), True), nprocs=3, start_method="spawn")
+    for version in (1, 2):
+        want = {n: _digest(t) for n, t in _named(version)}
+        for rank in (1, 2):
+            assert torch.load(tmp_path / f"r{rank}_v{version}.pt") == want
 
 
 def test_a_sender_whose_weights_do_not_match_the_manifest_names_the_first_wrong_one():
