@@ -17,7 +17,6 @@ Sources: `tide_megatron/job.py` (what each rank runs), `tide_megatron/controller
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +24,9 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import generated_file  # noqa: E402
+
 OUT = REPO / "docs" / "architecture.svg"
 
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
@@ -368,18 +370,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/architecture.svg is out of date")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(REPO)} is out of date: run python scripts/draw_architecture.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(REPO)}")
-    return 0
+    return generated_file.main(OUT, render, "draw_architecture.py", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "launch")]
+sys.path[:0] = [str(REPO), str(REPO / "launch"), str(REPO / "scripts")]
 
+import generated_file  # noqa: E402
 from hydra_schema import compose_job_config  # noqa: E402
 
 from tide_megatron.job_plan import dry_run  # noqa: E402
@@ -43,18 +43,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC.relative_to(REPO)} is out of date: run python scripts/dry_run_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(REPO)}")
-    return 0
+    return generated_file.main(DOC, render, "dry_run_docs.py", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -73,13 +73,13 @@ back (the file on the same node, the `image` call elsewhere), validates it again
 to retry. Text observations are unchanged.
 """
 
-import importlib
+from tide_megatron.utils.lazy_exports import lazy_exports
 
-# Each name below is imported from its module on first use (PEP 562), not here: importing one
-# submodule runs this file first, and the env configs (`envs.config`) must import without the
-# server and the client; `python -m tide_megatron.envs.server` then also runs the server module
-# once, not a second copy of one this file imported.
-_EXPORTS = {name: module for module, names in {
+# Each name below is imported from its module on first use (`utils/lazy_exports.py`), not here:
+# importing one submodule runs this file first, and the env configs (`envs.config`) must import
+# without the server and the client; `python -m tide_megatron.envs.server` then also runs the
+# server module once, not a second copy of one this file imported.
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "client": ("EnvClient",),
     "config": ("DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerLimits",
                "EnvServerProcessConfig", "GuiDesktopConfig", "ImageLimits", "LatencyConfig", "OSWorldConfig",
@@ -90,18 +90,4 @@ _EXPORTS = {name: module for module, names in {
     "registry": ("build_env", "register_env", "registered_envs"),
     "server": ("EnvServer",),
     "server_process": ("EnvServerProcess",),
-}.items() for name in names}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+})
