@@ -40,7 +40,6 @@ from tide_megatron.core.buffer import (
     LedgerError,
     TokenLedger,
     TrainingBatch,
-    Trajectory,
     group_advantages,
 )
 from tide_megatron.core.ctb import (
