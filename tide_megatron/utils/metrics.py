@@ -114,9 +114,10 @@ class MetricsLogger:
             return []
         n = lambda key: int(t.get(key, 0))  # noqa: E731
         modes = ", ".join(f"{mode} {count}" for mode, count in sorted(t["modes"].items())) or "none"
+        ers = (f"{n('ers/changes')} role changes, {n('ers/moves')} rank moves" if n("ers/changes")
+               else "no role change")
         return [f"CTB: {n('placement/admits')} tasks admitted, {n('placement/pauses')} paused, "
-                f"{n('placement/resumes')} resumed; RA2P steps by mode: {modes}; "
-                f"ERS: {n('ers/changes')} role changes, {n('ers/moves')} rank moves"]
+                f"{n('placement/resumes')} resumed; RA2P steps by mode: {modes}; ERS: {ers}"]
 
     def summary(self, checkpoint_dir: str | None = None) -> list[str]:
         """The end-of-run lines: steps, wall time, goodput, reward first vs last, where outputs are."""

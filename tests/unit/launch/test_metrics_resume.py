@@ -94,6 +94,9 @@ def test_the_summary_of_a_tide_run_says_what_ctb_ra2p_and_ers_did(tmp_path):
                    "placement/resumes": 5, "ers/changes": 2.0, "ers/moves": 3.0})
     assert ("CTB: 90 tasks admitted, 5 paused, 5 resumed; RA2P steps by mode: colocated 2, decoupled 1; "
             "ERS: 2 role changes, 3 rank moves") in logger.summary()
+    still = MetricsLogger(str(tmp_path / "still"), total_steps=1, tensorboard=False, progress=False)
+    still.log(1, {"mode": "tide", "ra2p/mode": "colocated", "placement/admits": 8})
+    assert any(line.endswith("RA2P steps by mode: colocated 1; ERS: no role change") for line in still.summary())
     sync = MetricsLogger(str(tmp_path / "sync"), total_steps=1, tensorboard=False, progress=False)
     sync.log(1, {"mode": "sync", "ra2p/mode": "colocated", "placement/admits": 4})
     assert not any(line.startswith("CTB:") for line in sync.summary())
