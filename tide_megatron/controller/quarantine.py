@@ -31,7 +31,7 @@ at the very sync of its move, without first being heard from (its engine may sti
 starting; the send waits for its receive), and enters service as in step 4.
 
 Owned by the rollout service thread, which calls everything here (nothing is locked or
-threaded); the service keeps the retries and the stop rule, this class the rest.
+threaded); `groups.py` keeps the retries, `handover.py` the stop rule, this class the rest.
 A weight send (`weight_sync.Send`) is kept until its receiver confirms it: its buffer must
 outlive the transfer (a dropped gloo send never arrives, and its receiver would wait for it),
 and a quarantined receiver that wakes up reads its `LoadWeights` in order and completes each.

@@ -170,7 +170,7 @@ def test_async_mode_admits_within_the_staleness_bound_and_books_consumption(stor
         assert batch.num_trajectories == 2 * G and all(len(g) == G for g in batch.groups)
         # (max_staleness + 1) x groups_per_step groups may be live; never more were started.
         time.sleep(0.3)
-        assert svc.call(svc._live_training_groups) <= 4
+        assert svc.call(svc.groups.live_training_groups) <= 4
         led = svc.call(svc.ledger_snapshot)
         assert led["consumed"] == 2 * G * 5 and led["lost"] == 0
     finally:
@@ -415,7 +415,7 @@ def _ctb_move(store, *, cancel_in_transit: bool):
     if cancel_in_transit:
         now = time.monotonic()
         for gid in sorted({t.rsplit("/", 1)[0] for t in on_2}):
-            svc.call(lambda gid=gid: svc._give_up_group(gid, failed=False, reason="too stale", now=now))
+            svc.call(lambda gid=gid: svc.groups.give_up(gid, failed=False, reason="too stale", now=now))
         ranks[2].frozen.clear()
     _until("the hand-over", lambda: svc.call(lambda: svc.in_trainer(2)))
     ranks[2].beat = False  # a trainer rank sends no heartbeat
@@ -534,9 +534,9 @@ def test_the_kv_use_and_tasks_ers_reads_are_time_weighted_and_sampled_at_most_ev
                          placement=placement, mode=mode_policy("tide"), rollout_ranks=[1], tasks=TASKS, group_size=G,
                          groups_per_step=1, max_staleness=1, max_task_retries=1, max_failed_groups=3, seed=0,
                          start_version=0, health=health)  # not started: this test is its only thread
-    svc._sample_occupancy(100.0)  # 0.5 and 2 tasks from here
-    svc._sample_occupancy(100.05)  # too soon: no sample
-    svc._sample_occupancy(101.0)  # 0.9 and 5 tasks from here
+    svc.meter.sample(100.0)  # 0.5 and 2 tasks from here
+    svc.meter.sample(100.05)  # too soon: no sample
+    svc.meter.sample(101.0)  # 0.9 and 5 tasks from here
     window = svc.ers_window(now=104.0)  # (0.5 x 1 s + 0.9 x 3 s) / 4 s; samples 0.2 and 3 from here
     assert window["kv_used_fraction"] == pytest.approx(0.8)
     assert window["tasks_in_flight_s"] == pytest.approx(2 * 1.0 + 5 * 3.0)
