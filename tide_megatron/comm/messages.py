@@ -193,13 +193,39 @@ class Stop(Message):
 
 # ---------------------------------------------------------------- rollout rank -> controller
 @dataclass
+class EngineFacts:
+    """A rollout rank's SGLang engine as it started: what it allocated, which CTB sizes its
+    budget from (`controller/ctb_placement.py`), and what it was configured with."""
+
+    kv_tokens: Optional[int] = None
+    """Tokens the KV pool holds, as SGLang allocated it (None: not reported)."""
+    request_rows: Optional[int] = None
+    """Requests the engine runs at once, as SGLang allocated them (None: not reported)."""
+    max_total_tokens: Optional[int] = None
+    """`rollout.engine.max_total_tokens` (None: SGLang sizes the pool from free memory)."""
+    max_running_requests: Optional[int] = None
+    """`rollout.engine.max_running_requests` (None: SGLang's default)."""
+    use_sessions: bool = False
+    """The engine keeps each task's context between turns (CTB's sessions)."""
+    restarts: int = 0
+    """Times the rank restarted its engine after it died."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class RankReady(Message):
-    """The rank's engine is up. `engine`: its KV pool and request rows, for the checks."""
+    """The rank's engine is up."""
 
     KIND: ClassVar[str] = "ready"
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: EngineFacts = field(default_factory=EngineFacts)
     pid: int = 0
     """The rank's process id (for an operator, and for fault-injection tests)."""
+
+    @classmethod
+    def from_wire(cls, payload: dict[str, Any]) -> "RankReady":
+        return cls(EngineFacts(**payload.get("engine", {})), int(payload.get("pid", 0)))
 
 
 @dataclass

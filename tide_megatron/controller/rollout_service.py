@@ -40,8 +40,8 @@ from collections import defaultdict
 from typing import Any, Callable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import (Heartbeat, RankReady, TaskCancelled, TaskCarried, TaskFailed, TaskReleased,
-                                         TrajectoryDone, TurnEvent)
+from tide_megatron.comm.messages import (EngineFacts, Heartbeat, RankReady, TaskCancelled, TaskCarried, TaskFailed,
+                                         TaskReleased, TrajectoryDone, TurnEvent)
 from tide_megatron.controller.call_queue import CallQueue
 from tide_megatron.controller.errors import RunError
 from tide_megatron.controller.groups import GroupBook
@@ -84,7 +84,7 @@ class RolloutService(threading.Thread):
         self.max_staleness = max_staleness
         self.evals = EvalAggregator(pass_threshold=eval_pass_threshold)
         self.error: Optional[BaseException] = None
-        self.engines: dict[int, dict[str, Any]] = {}  # rank -> its RankReady engine facts
+        self.engines: dict[int, EngineFacts] = {}  # rank -> its engine, as it reported at start-up
         self.trainer_inbox: "queue.Queue[Any]" = queue.Queue()  # trainer/ref messages, for the main thread
         self.counters = defaultdict(int)  # groups started / failed / cancelled, retries, tasks moved, ...
         self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
@@ -222,7 +222,7 @@ class RolloutService(threading.Thread):
                 self._reconcile()
             elif isinstance(msg, RankReady):
                 self.engines[msg.src] = msg.engine
-                self.placement.engine_ready(msg.src, msg.engine.get("kv_tokens"), msg.engine.get("request_rows"))
+                self.placement.engine_ready(msg.src, msg.engine.kv_tokens, msg.engine.request_rows)
                 self.health.add_rank(msg.src, now)
                 self.health.progressed(now)
             else:  # the trainer's and reference rank's replies: the main thread's

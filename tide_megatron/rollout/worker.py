@@ -62,6 +62,7 @@ from tide_megatron.comm.messages import (
     AllCancelled,
     CancelAll,
     CancelTask,
+    EngineFacts,
     Heartbeat,
     LoadWeights,
     PauseTask,
@@ -228,12 +229,10 @@ class RolloutWorker:
     async def _main(self) -> str:
         cfg = self.engine.cfg
         logger.info("rollout rank %d: pid %d, engine ready (restarts: %d)", self.rank, os.getpid(), self.engine_restarts)
-        self.mailbox.post(CONTROLLER, RankReady(engine={"max_total_tokens": cfg.max_total_tokens,
-                                                        "max_running_requests": cfg.max_running_requests,
-                                                        "kv_tokens": self.engine.kv_tokens,
-                                                        "request_rows": self.engine.request_rows,
-                                                        "use_sessions": cfg.use_sessions,
-                                                        "restarts": self.engine_restarts}, pid=os.getpid()))
+        facts = EngineFacts(kv_tokens=self.engine.kv_tokens, request_rows=self.engine.request_rows,
+                            max_total_tokens=cfg.max_total_tokens, max_running_requests=cfg.max_running_requests,
+                            use_sessions=cfg.use_sessions, restarts=self.engine_restarts)
+        self.mailbox.post(CONTROLLER, RankReady(facts, pid=os.getpid()))
         next_beat = 0.0
         while not self._stopping and not self.engine.died and self._handoff is None:
             msgs = self.mailbox.poll()

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import (Heartbeat, LoadWeights, OpenRefStep, PushWeights, RefMicroBatch, RunTask,
-                                         SaveCheckpoint, SetRoles, TaskAssignment, TrainMicroBatch, TrajectoryDone,
-                                         WeightsLoaded)
+from tide_megatron.comm.messages import (EngineFacts, Heartbeat, LoadWeights, OpenRefStep, PushWeights, RankReady,
+                                         RefMicroBatch, RunTask, SaveCheckpoint, SetRoles, TaskAssignment,
+                                         TrainMicroBatch, TrajectoryDone, WeightsLoaded)
 from tide_megatron.comm.weight_sync import (
     bucket_ranges,
     WeightManifest,
@@ -83,6 +83,9 @@ def test_trainer_messages_round_trip_with_typed_fields():
     assert ref_mb.dp == 3 and ref_mb.trajectories == [traj] and mb.trajectories == [traj, traj]
     assert mb.trajectories[0].advantage == 0.5 and mb.trajectories[0].trajectory_id == "g1/3"
     assert roles == SetRoles(2, [4, 5], False) and roles.src == 0
+    rank1.post(0, RankReady(EngineFacts(kv_tokens=1024, request_rows=8, use_sessions=True), pid=7))
+    (ready,) = rank0.poll()
+    assert ready.engine == EngineFacts(kv_tokens=1024, request_rows=8, use_sessions=True) and ready.pid == 7
 
 
 def test_concurrent_senders_lose_nothing():

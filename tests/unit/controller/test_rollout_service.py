@@ -15,9 +15,9 @@ import pytest
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import (AllCancelled, CancelAll, CancelTask, Heartbeat, LoadWeights, RankReady, RunTask,
-                                         Stop, TaskCancelled, TaskCarried, TaskFailed, TrajectoryDone, TurnEvent,
-                                         WeightsLoaded)
+from tide_megatron.comm.messages import (AllCancelled, CancelAll, CancelTask, EngineFacts, Heartbeat, LoadWeights,
+                                         RankReady, RunTask, Stop, TaskCancelled, TaskCarried, TaskFailed,
+                                         TrajectoryDone, TurnEvent, WeightsLoaded)
 from tide_megatron.comm.weight_sync import Send
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
@@ -55,7 +55,7 @@ class FakeRank(threading.Thread):
         self.seen: list = []
 
     def run(self) -> None:
-        self.mb.post(0, RankReady(engine={"max_running_requests": 8}))
+        self.mb.post(0, RankReady(engine=EngineFacts(max_running_requests=8)))
         next_beat = 0.0
         while not self.stop.is_set():
             if self.frozen.is_set():
