@@ -8,7 +8,7 @@ Runs sync; async_static (AReaL-like), stream (StreamRL-like) and elastic (verl-l
 scaling, its standalone rollout share) at every share of the paper's sweep, each reported at
 its own best share; and TIDE's cumulative ablation (stream +RA2P, +ERS, +CTB, then ERS's
 adaptive data retention, off by default) from its fixed starting split
-(SchedulerConfig.initial_rollout_share), which no sweep informs. Every run carries both
+(SimSchedulerConfig.initial_rollout_share), which no sweep informs. Every run carries both
 goodput bounds (tide_megatron/sim/bounds.py). Writes benchmarks/results/sim_paper_<workload>.json
 (command, machine, date, each run's command line and summary, the figures, the goals and
 whether each was met) and PNGs, prints a short table.

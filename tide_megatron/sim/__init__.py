@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tide_megatron.sim.config import (HardwareConfig, ModelConfig, SchedulerConfig, SimConfig, TaskTypeConfig,
+from tide_megatron.sim.config import (HardwareConfig, SimConfig, SimModelConfig, SimSchedulerConfig, TaskTypeConfig,
                                       WorkloadConfig)
 
 if TYPE_CHECKING:
@@ -34,5 +34,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["HardwareConfig", "ModelConfig", "RunMetrics", "SchedulerConfig", "SimConfig", "TaskTypeConfig",
+__all__ = ["HardwareConfig", "RunMetrics", "SimConfig", "SimModelConfig", "SimSchedulerConfig", "TaskTypeConfig",
            "WorkloadConfig", "run_simulation"]

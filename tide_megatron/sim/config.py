@@ -61,7 +61,7 @@ class HardwareConfig:
 
 
 @dataclass
-class ModelConfig:
+class SimModelConfig:
     """The policy model: its size, attention shape and how it is parallelised."""
 
     name: str = MISSING
@@ -147,7 +147,7 @@ class WorkloadConfig:
 
 
 @dataclass
-class SchedulerConfig:
+class SimSchedulerConfig:
     """Knobs of the scheduling modes (the mode itself is `SimConfig.mode`)."""
 
     rollout_share: float = 0.25
@@ -208,11 +208,11 @@ class SimConfig:
     """Scheduling mode: sync | async_static | stream | elastic (verl-like dynamic scaling) | tide."""
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     """The GPU model."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: SimModelConfig = field(default_factory=SimModelConfig)
     """The policy model."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     """The task stream."""
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SimSchedulerConfig = field(default_factory=SimSchedulerConfig)
     """Scheduling mode."""
     n_gpus: int = 32
     """GPUs in the cluster."""

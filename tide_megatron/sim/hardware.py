@@ -1,7 +1,7 @@
 """Roofline-style cost model of one GPU cluster for rollout and training.
 
 Every time comes from public hardware constants (`HardwareConfig`) and the model's shape
-(`ModelConfig`); nothing here is fitted to a result. The formulas:
+(`SimModelConfig`); nothing here is fitted to a result. The formulas:
 
 - Decode iteration of a batch of n sequences with total context S on a rollout rank of `tp`
   GPUs: max(weight read, token compute) + KV read, i.e.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tide_megatron.sim.config import HardwareConfig, ModelConfig
+from tide_megatron.sim.config import HardwareConfig, SimModelConfig
 
 GB = 1e9
 
@@ -28,7 +28,7 @@ class HardwareModel:
     """Times and capacities for one model on one GPU type."""
 
     hw: HardwareConfig
-    model: ModelConfig
+    model: SimModelConfig
 
     def __post_init__(self) -> None:
         hw, m = self.hw, self.model

@@ -19,7 +19,7 @@ scheduling, as in the paper's comparison (the trainer processes live in `sim/tra
   rollout scheduling), through the core objects: `GlobalBuffer`, `CTBScheduler`,
   `trainer_layout`/`should_feed`/`plan_microbatches`, `ERSController`. Nothing here re-decides what those objects decide.
 
-Staleness (`SchedulerConfig.staleness_rule`, shared by every mode): by default a group admitted
+Staleness (`SimSchedulerConfig.staleness_rule`, shared by every mode): by default a group admitted
 at version v must be consumed by the step that trains version v + bound; its trajectories run
 across weight updates (the flush at every sync makes their next turn re-prefill), and when a
 step's consumption closes, every group that can no longer be fresh is cancelled at once
