@@ -455,7 +455,7 @@ class LoadCheckpoint(Message):
 # ---------------------------------------------------------------- trainer ranks -> controller
 @dataclass
 class Trained(Message):
-    """An actor rank's step is done: the actor's `StepResult` and the executor's `StepReport`,
+    """An actor rank's step is done: the actor's `UpdateResult` and the executor's `StepReport`,
     as their `asdict` forms."""
 
     KIND: ClassVar[str] = "trained"

@@ -50,7 +50,7 @@ class StepOutcome:
     """What one training step did, for the log."""
 
     result: Any
-    """The actor's `StepResult` (loss terms, grad norm)."""
+    """The actor's `UpdateResult` (loss terms, grad norm)."""
     report: StepReport
     mode: RA2PMode
     choice: Optional[ModeChoice]

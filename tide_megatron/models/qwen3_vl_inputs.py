@@ -33,7 +33,7 @@ class ImageInputError(ValueError):
 
 
 @dataclass(frozen=True)
-class ImageLimits:
+class DecodeLimits:
     """What an encoded image may be before it is decoded (a decompression bomb is refused)."""
 
     max_bytes: int = 16 * 1024 * 1024
@@ -45,7 +45,7 @@ class ImageLimits:
 class ImageProcessor:
     """The checkpoint's Qwen2-VL image processor (Qwen3-VL uses it) and its geometry."""
 
-    def __init__(self, checkpoint_dir: str | os.PathLike, limits: ImageLimits = ImageLimits()):
+    def __init__(self, checkpoint_dir: str | os.PathLike, limits: DecodeLimits = DecodeLimits()):
         from transformers import AutoImageProcessor
 
         path = os.fspath(checkpoint_dir)

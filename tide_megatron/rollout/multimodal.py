@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from tide_megatron.models.qwen3_vl_inputs import ImageInputError, ImageLimits, ImageProcessor
+from tide_megatron.models.qwen3_vl_inputs import ImageInputError, DecodeLimits, ImageProcessor
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ImagePrompts:
         """SGLang's `logit_bias` that keeps the vision special tokens out of every sample."""
 
     @classmethod
-    def for_checkpoint(cls, checkpoint_dir: str | os.PathLike, limits: ImageLimits = ImageLimits()
+    def for_checkpoint(cls, checkpoint_dir: str | os.PathLike, limits: DecodeLimits = DecodeLimits()
                        ) -> "ImagePrompts | None":
         """None for a text-only checkpoint."""
         from tide_megatron.models.policy import banned_token_ids, is_vision_language, model_config_from_checkpoint

@@ -6,7 +6,7 @@ from tide_megatron.utils.lazy_exports import lazy_exports
 # importing one submodule runs this file first, and the job config (`trainer.config`) must import
 # without torch and Megatron, which the actor and the losses import.
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "actor": ("MegatronActor", "ReferenceModel", "StepResult"),
+    "actor": ("MegatronActor", "ReferenceModel", "UpdateResult"),
     "batch": ("MicroBatch", "TrajectoryTensors", "collate", "pack_micro_batches"),
     "checkpoint": ("latest_checkpoint", "load_checkpoint", "load_latest_checkpoint", "save_checkpoint"),
     "config": ("KL_ESTIMATORS", "TrainerConfig"),

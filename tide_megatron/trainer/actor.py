@@ -67,7 +67,7 @@ class ReferenceModel:
 
 
 @dataclass
-class StepResult:
+class UpdateResult:
     """What one optimizer step reports (token means are over the whole step)."""
 
     loss: float
@@ -235,7 +235,7 @@ class MegatronActor:
             pg_collection=self.groups,  # the DP group of the current configuration
         )
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+    def train_step(self, micro_batches: list[MicroBatch]) -> UpdateResult:
         """One GRPO update: `forward_backward` over the micro-batches, then the optimizer step.
 
         With `kl_coef != 0` and the ordinary loss, each micro-batch needs `ref_logprobs`
@@ -244,17 +244,17 @@ class MegatronActor:
         """
         return self.optimizer_step(self.forward_backward(micro_batches))
 
-    def train_step_iter(self, data_iterator: Iterator[MicroBatch], num_micro_batches: int) -> StepResult:
+    def train_step_iter(self, data_iterator: Iterator[MicroBatch], num_micro_batches: int) -> UpdateResult:
         """`train_step` over lazily produced micro-batches (see `forward_backward_iter`)."""
         return self.optimizer_step(self.forward_backward_iter(data_iterator, num_micro_batches))
 
-    def optimizer_step(self, reports: list[dict]) -> StepResult:
+    def optimizer_step(self, reports: list[dict]) -> UpdateResult:
         """The optimizer step after a forward/backward pass; reduces its metric reports."""
         update_successful, grad_norm, _ = self.optimizer.step()
         self.step += 1
         totals = self._reduce_reports(reports)
         count = max(totals["loss"][1], 1.0)
-        return StepResult(
+        return UpdateResult(
             loss=totals["loss"][0] / count, pg_loss=totals["pg_loss"][0] / count,
             kl=totals["kl"][0] / count, clip_frac=totals["clip_frac"][0] / count,
             num_tokens=int(totals["loss"][1]),

@@ -43,7 +43,7 @@ from tide_megatron.core.roles import Role
 from tide_megatron.models.policy import load_hf_weights, model_config_from_checkpoint
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
 from tide_megatron.trainer import checkpoint as ckpt
-from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult
+from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, UpdateResult
 from tide_megatron.trainer.assignment import TrainerAssignment, plan_transition
 from tide_megatron.trainer.config import TrainerConfig
 from tide_megatron.trainer.offload import ModelOffloader, OffloadConfig
@@ -223,7 +223,7 @@ class TrainerWorker:
         self._require_actor()
         return ArrivingSource(num_micro_batches, **source_options)
 
-    def run_step(self, mode: str, source: "MicroBatchSource | list") -> tuple[StepResult, StepReport]:
+    def run_step(self, mode: str, source: "MicroBatchSource | list") -> tuple[UpdateResult, StepReport]:
         """One optimizer step on this rank's shard, in RA2P `mode` ("colocated"/"decoupled").
 
         A DP rank given no micro-batch still joins the step's all-reduces, with one that trains

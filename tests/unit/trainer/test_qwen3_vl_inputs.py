@@ -19,7 +19,7 @@ from tide_megatron.models.qwen3_vl_checkpoint import VISION_SPECIAL_TOKENS, writ
 from tide_megatron.models.qwen3_vl_config import VLModelConfig
 from tide_megatron.models.qwen3_vl_inputs import (
     ImageInputError,
-    ImageLimits,
+    DecodeLimits,
     ImageProcessor,
     TrajectoryImages,
     encode_image_for_record,
@@ -86,10 +86,10 @@ def test_bad_images_fail_with_one_line(processor, data, match):
 
 
 def test_too_large_images_are_refused_before_decoding(ckpt):
-    small = ImageProcessor(ckpt[0], ImageLimits(max_bytes=10_000_000, max_pixels=1000))
+    small = ImageProcessor(ckpt[0], DecodeLimits(max_bytes=10_000_000, max_pixels=1000))
     with pytest.raises(ImageInputError, match="64x48 pixels is over the limit of 1000"):
         small.decode(png(64, 48))
-    tiny = ImageProcessor(ckpt[0], ImageLimits(max_bytes=100))
+    tiny = ImageProcessor(ckpt[0], DecodeLimits(max_bytes=100))
     with pytest.raises(ImageInputError, match="over the limit of 100"):
         tiny.decode(png(64, 48))
 

@@ -40,7 +40,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult, _device
+from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, UpdateResult, _device
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.offload import ModelOffloader, OffloadConfig
 from tide_megatron.trainer.ra2p.source import MicroBatchSource, as_source
@@ -169,7 +169,7 @@ class ColocatedExecutor:
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=tp)
         return int(count.item())
 
-    def run_step(self, micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> tuple[StepResult, StepReport]:
+    def run_step(self, micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> tuple[UpdateResult, StepReport]:
         """One optimizer step over the step's micro-batches (this rank's DP shard)."""
         source = as_source(micro_batches)
         n = len(source)

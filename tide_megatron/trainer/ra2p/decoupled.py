@@ -41,7 +41,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, StepResult
+from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, UpdateResult
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.loss_in_backward import ReceivedLogprobs
 from tide_megatron.trainer.ra2p.source import MicroBatchSource, as_source, iterate
@@ -171,7 +171,7 @@ class DecoupledActorExecutor:
                 mb.ref_logprobs = self.stream.recv(tuple(mb.token_ids.shape), self.cfg.ref_rank, tag)
             yield mb
 
-    def run_step(self, micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> tuple[StepResult, StepReport]:
+    def run_step(self, micro_batches: "Sequence[MicroBatch] | MicroBatchSource") -> tuple[UpdateResult, StepReport]:
         """One optimizer step; the actor's forward never waits for the Ref, its backward may."""
         source = as_source(micro_batches)
         n = len(source)
