@@ -25,11 +25,11 @@ from typing import Any, Optional
 
 from tide_megatron.comm.messages import TaskAssignment, TaskCancelled, TaskFailed, TrajectoryDone
 from tide_megatron.controller.errors import RunError
+from tide_megatron.controller.eval_aggregator import EvalAggregator
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import ModePolicy
 from tide_megatron.controller.rollout_meter import RolloutMeter
 from tide_megatron.core.buffer import GlobalBuffer
-from tide_megatron.rollout.eval_aggregator import EvalAggregator
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ from tide_megatron.comm.messages import (EngineFacts, Heartbeat, RankReady, Task
                                          TaskReleased, TrajectoryDone, TurnEvent)
 from tide_megatron.controller.call_queue import CallQueue
 from tide_megatron.controller.errors import RunError
+from tide_megatron.controller.eval_aggregator import EvalAggregator
 from tide_megatron.controller.groups import GroupBook
 from tide_megatron.controller.handover import Handover
 from tide_megatron.controller.health import RolloutHealth
@@ -52,7 +53,6 @@ from tide_megatron.controller.quarantine import Quarantine
 from tide_megatron.controller.rollout_meter import RolloutMeter
 from tide_megatron.controller.step_intake import StepIntake
 from tide_megatron.core.buffer import CompletedGroup, GlobalBuffer
-from tide_megatron.rollout.eval_aggregator import EvalAggregator
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from tide_megatron.rollout.eval_aggregator import EvalAggregator
+from tide_megatron.controller.eval_aggregator import EvalAggregator
 from tide_megatron.rollout.task_runner import TaskAssignment, Trajectory
 
 

@@ -14,6 +14,7 @@ import pytest
 from tide_megatron.comm.messages import TaskAssignment, TaskCancelled, TaskCarried, TaskFailed, TrajectoryDone
 from tide_megatron.controller.call_queue import CallQueue
 from tide_megatron.controller.errors import RunError
+from tide_megatron.controller.eval_aggregator import EvalAggregator
 from tide_megatron.controller.groups import GroupBook
 from tide_megatron.controller.handover import Handover
 from tide_megatron.controller.health import RolloutHealth
@@ -22,7 +23,6 @@ from tide_megatron.controller.rollout_meter import RolloutMeter
 from tide_megatron.controller.step_intake import StepIntake
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
 from tide_megatron.core.trajectory import Segment, Trajectory
-from tide_megatron.rollout.eval_aggregator import EvalAggregator
 
 G = 2
 TASKS = [{"env": "door_game", "task_id": f"t{i}"} for i in range(3)]
