@@ -55,7 +55,6 @@ PROMPT = list(range(10, 42))  # every engine's fingerprint of its weights: greed
 def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
     import torch.distributed as dist
 
-    from tide_megatron.comm import weight_sync
     from tide_megatron.models.hf_checkpoint import load_hf_state_dict
 
     dist.barrier()

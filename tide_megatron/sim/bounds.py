@@ -49,7 +49,6 @@ runs; `test_simulator` checks that no mode beats either bound):
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Callable, Tuple
 
