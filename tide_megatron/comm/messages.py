@@ -69,6 +69,8 @@ class Message:
         out = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
+            if isinstance(value, list):  # e.g. trajectories: each record as its JSON
+                value = [v.to_json() if hasattr(v, "to_json") else v for v in value]
             out[f.name] = value.to_json() if hasattr(value, "to_json") else value
         return out
 
@@ -380,9 +382,6 @@ class TrainMicroBatch(Message):
     KIND: ClassVar[str] = "mb"
     trajectories: list[Trajectory]
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"trajectories": [t.to_json() for t in self.trajectories]}
-
     @classmethod
     def from_wire(cls, payload: dict[str, Any]) -> "TrainMicroBatch":
         return cls(_trajectories(payload["trajectories"]))
@@ -408,9 +407,6 @@ class RefMicroBatch(Message):
     KIND: ClassVar[str] = "ref_mb"
     dp: int
     trajectories: list[Trajectory]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"dp": self.dp, "trajectories": [t.to_json() for t in self.trajectories]}
 
     @classmethod
     def from_wire(cls, payload: dict[str, Any]) -> "RefMicroBatch":
