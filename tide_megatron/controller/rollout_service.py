@@ -116,19 +116,6 @@ class RolloutService(threading.Thread):
         """The ranks that are rollout ranks now (in service, quarantined, or joining)."""
         return self.quarantine.rollout_side
 
-    # The sampler's group counter as `run_state` saves and restores it (and its tests draw groups
-    # through `_start_group`); the sampler's RNG is `_rng`, shared with the groups.
-    @property
-    def _groups_started(self) -> int:
-        return self.groups.started
-
-    @_groups_started.setter
-    def _groups_started(self, n: int) -> None:
-        self.groups.started = n
-
-    def _start_group(self) -> str:
-        return self.groups.start()
-
     # ------------------------------------------------------------------ main-thread API
     def call(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
         """Run `fn` on the service thread and return its result (or raise its error)."""

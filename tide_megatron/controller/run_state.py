@@ -23,7 +23,7 @@ The interface with the controller is these two functions and the fields they tou
 sees one consistent moment); `restore(controller, state)` runs before the service thread
 starts (once it runs, it starts groups from the sampler as soon as the engines are up).
 Controller: `step`, `version`, `rollout`, `log._generated_before`. Rollout service: `_rng`,
-`_groups_started`, `tasks`, `counters`, `buffer`, `version`, `lost_before`.
+`groups.started`, `tasks`, `counters`, `buffer`, `version`, `lost_before`.
 Buffer: `ledger`, `ready_groups()`, `open_group`, `add_trajectory`, `audit()`.
 """
 
@@ -131,7 +131,7 @@ def _capture_service(service) -> dict[str, Any]:
     """Runs on the rollout service's thread."""
     ledger = service.buffer.ledger
     return {
-        "sampler": {"rng": _json_tuple(service._rng.getstate()), "groups_started": service._groups_started,
+        "sampler": {"rng": _json_tuple(service._rng.getstate()), "groups_started": service.groups.started,
                     "num_tasks": len(service.tasks)},
         "counters": {k: int(v) for k, v in service.counters.items()},
         "ledger": {k: getattr(ledger, k) for k in _LEDGER_KEYS},
@@ -176,7 +176,7 @@ def restore(controller, state: RunState) -> list[str]:
     notes = []
     sampler = state.sampler
     service._rng.setstate(_tuple(sampler["rng"]))
-    service._groups_started = sampler["groups_started"]
+    service.groups.started = sampler["groups_started"]
     if sampler["num_tasks"] != len(service.tasks):
         notes.append(f"the env offers {len(service.tasks)} training tasks, the checkpoint's sampler drew from "
                      f"{sampler['num_tasks']}: the task order differs from an uninterrupted run")

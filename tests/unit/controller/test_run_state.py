@@ -48,7 +48,7 @@ def finish(buffer: GlobalBuffer, gid: str, index: int, version: int, gen: int, r
 def history(ctrl) -> None:
     """Five groups drawn: one consumed, two ready, one half done, one not started on a rank."""
     svc = ctrl.rollout
-    gids = [svc._start_group() for _ in range(5)]
+    gids = [svc.groups.start() for _ in range(5)]
     for i, gid in enumerate(gids[:3]):
         for index in range(G):
             finish(svc.buffer, gid, index, version=2 + (i > 0), gen=5 + i + index, reward=float(index + i))
@@ -100,7 +100,7 @@ def test_round_trip_continues_where_the_run_was(captured):
     svc = new.rollout
 
     assert [svc._rng.choice(TASKS)["task_id"] for _ in range(6)] == expected_tasks
-    assert svc._start_group() == "g5v3"  # group ids keep counting after the 5 drawn before the save
+    assert svc.groups.start() == "g5v3"  # group ids keep counting after the 5 drawn before the save
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == (expected_python, expected_numpy,
                                                                           expected_torch)
     assert dict(svc.counters) == {**state.counters, "groups_started": state.counters["groups_started"] + 1}
