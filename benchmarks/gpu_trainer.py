@@ -5,13 +5,16 @@
 
 One process, one rank (TP 1, DP 1), the local layer spec (Transformer Engine is not installed on
 the lent GPU machine), bf16, Megatron's own random init. A step is `MegatronActor.train_step`
-over `--micro-batches` micro-batches of at most `--mb-tokens` tokens, batched the way the
-trainer batches today (`trainer.batch.pack_micro_batches`: rows padded to the longest, a dense
-causal mask). Two workloads, each under recompute none / selective / full:
+over `--micro-batches` budgets of `--mb-tokens` tokens (`trainer.batch.micro_batches_by_budget`).
+`--configs` lists WORKLOAD:LAYOUT:RECOMPUTE triples:
 
-- `uniform`: rows of `--seq-len` tokens, no padding (the kernels' best case);
-- `varied`: lengths drawn log-uniformly between 300 and `--mb-tokens` tokens, as in agentic
-  batches, padded: what the padding costs (tokens/s counts real tokens only).
+- workloads: `uniform`, trajectories of `--seq-len` tokens (no padding either way), and
+  `varied`, lengths drawn log-uniformly between 300 and `--mb-tokens` tokens, as in agentic
+  batches;
+- layouts: `padded` (rows padded to the longest, dense causal mask) and `packed` (one row,
+  attention per trajectory: `torch.nn.functional.scaled_dot_product_attention`, flash on CUDA);
+  tokens/s counts real tokens only;
+- recompute: none / selective / full (`trainer.recompute`).
 
 Model FLOPs per real token: 6 x (matmul parameters, the output layer included) + 6 x layers x
 hidden x sequence length (causal attention: half of PaLM's 12 L H T, since a causal score
@@ -85,23 +88,23 @@ def workload(kind: str, args, vocab: int, seed: int):
     return trajs, lengths
 
 
-def run_config(args, recompute: str, kind: str) -> dict:
+def run_config(args, kind: str, layout: str, recompute: str) -> dict:
     from tide_megatron.models.config import ModelConfig
     from tide_megatron.trainer.actor import MegatronActor
-    from tide_megatron.trainer.batch import pack_micro_batches
+    from tide_megatron.trainer.batch import BatchLayout, micro_batches_by_budget
     from tide_megatron.trainer.config import TrainerConfig
 
     m = MODELS[args.model]
     cuda = args.device == "cuda"
-    actor = MegatronActor(ModelConfig(**m), TrainerConfig(lr=1e-6, kl_coef=0.0, bf16=cuda, recompute=recompute),
-                          None)
+    actor = MegatronActor(ModelConfig(**m), TrainerConfig(lr=1e-6, kl_coef=0.0, bf16=cuda, recompute=recompute,
+                                                          layer_spec="local"), None)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times, tokens, padded, attn = [], 0, 0, 0.0
     for step in range(args.warmup + args.steps):
         trajs, lengths = workload(kind, args, m["vocab_size"], seed=step)
-        mbs = pack_micro_batches(trajs, args.mb_tokens)
+        mbs = micro_batches_by_budget(trajs, args.mb_tokens, BatchLayout(packed=layout == "packed"))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -116,7 +119,7 @@ def run_config(args, recompute: str, kind: str) -> dict:
         assert math.isfinite(result.loss), result
     secs = sum(times)
     flops = 6 * matmul_params(m) * tokens + 6 * m["num_layers"] * m["hidden_size"] * attn
-    out = {"workload": kind, "recompute": recompute, "step_s_median": round(statistics.median(times), 4),
+    out = {"workload": kind, "layout": layout, "recompute": recompute, "step_s_median": round(statistics.median(times), 4),
            "tokens_per_s": round(tokens / secs, 1), "padding_share": round(1 - tokens / padded, 4),
            "micro_batches_per_step": len(mbs), "tflops": round(flops / secs / 1e12, 2),
            "mfu": round(flops / secs / 1e12 / args.peak_tflops, 4) if cuda else None,
@@ -139,13 +142,13 @@ def main() -> None:
     parser.add_argument("--mb-tokens", type=int, default=8192, help="token budget of a micro-batch")
     parser.add_argument("--micro-batches", type=int, default=4, help="token budgets per step")
     parser.add_argument("--seq-len", type=int, default=2048, help="row length of the uniform workload")
-    parser.add_argument("--recompute", default="none,selective,full")
-    parser.add_argument("--workloads", default="uniform,varied")
+    parser.add_argument("--configs", default="uniform:packed:none,varied:padded:none,varied:packed:none,"
+                        "varied:packed:selective,varied:packed:full", help="WORKLOAD:LAYOUT:RECOMPUTE,...")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak")
     parser.add_argument("--out", default="gpu_trainer")
-    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # WORKLOAD:RECOMPUTE, in a child
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # one config, in a child
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here (use --device cpu)")
@@ -162,36 +165,35 @@ def main() -> None:
     except ImportError:
         te = False
     if args.one:  # one configuration in this process (its own memory peak)
-        kind, recompute = args.one.split(":")
         init_parallel(tp_size=1, seed=0)
-        print("RESULT " + json.dumps(run_config(args, recompute, kind)), flush=True)
+        print("RESULT " + json.dumps(run_config(args, *args.one.split(":"))), flush=True)
         return
     rows = []
-    for kind in args.workloads.split(","):
-        for recompute in args.recompute.split(","):
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, *sys.argv, "--one", f"{kind}:{recompute}"], capture_output=True,
-                                  text=True)
-            found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            rows.append(json.loads(found[0]) if found and proc.returncode == 0 else
-                        {"workload": kind, "recompute": recompute, "error": _last_error(proc.stderr)})
-            print(f"{rows[-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{'workload':9} {'recompute':10} {'step s':>7} {'tok/s':>9} {'pad':>5} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}")
+    for config in args.configs.split(","):
+        kind, layout, recompute = config.split(":")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, *sys.argv, "--one", config], capture_output=True, text=True)
+        found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        rows.append(json.loads(found[0]) if found and proc.returncode == 0 else
+                    {"workload": kind, "layout": layout, "recompute": recompute, "error": _last_error(proc.stderr)})
+        print(f"{rows[-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"{'workload':9} {'layout':7} {'recompute':10} {'step s':>7} {'tok/s':>9} {'pad':>5} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'peak GB':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['workload']:9} {r['recompute']:10} {r['error']}")
+            print(f"{r['workload']:9} {r['layout']:7} {r['recompute']:10} {r['error']}")
             continue
-        print(f"{r['workload']:9} {r['recompute']:10} {r['step_s_median']:>7} {r['tokens_per_s']:>9} "
+        print(f"{r['workload']:9} {r['layout']:7} {r['recompute']:10} {r['step_s_median']:>7} {r['tokens_per_s']:>9} "
               f"{r['padding_share']:>5} {r['tflops']:>8} {str(r['mfu']):>6} {str(r['peak_memory_gb']):>8}")
     machine = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                "torch": torch.__version__, "transformer_engine": te}
     bench_record.write(args.out, {
-        **bench_record.header("gpu_trainer", **machine),
+        **bench_record.header("gpu_trainer", config=vars(args), **machine),
         "model": args.model, "model_shape": MODELS[args.model], "matmul_params": matmul_params(MODELS[args.model]),
         "mb_tokens": args.mb_tokens, "micro_batches": args.micro_batches, "layer_spec": "local",
         "peak_tflops": args.peak_tflops, "results": rows,
-        "notes": ["Batched as the trainer does today: rows padded to the longest of their micro-batch and a "
-                  "dense causal mask (packed variable-length batches are not built yet, issue 35).",
+        "notes": ["padded: rows padded to the longest of their micro-batch, a dense causal mask; packed: one "
+                  "row per micro-batch, attention per trajectory (trainer.batch.pack).",
                   "flops_per_token(seq) = 6 x matmul_params + 6 x layers x hidden x seq; TFLOP/s and MFU count "
                   "real tokens only."],
     })

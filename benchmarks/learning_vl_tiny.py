@@ -86,7 +86,7 @@ def warm_start(job, out_dir: Path, steps: int, batch: int, lr: float) -> tuple[s
     from tide_megatron.rollout.worker import build_chat
     from tide_megatron.tokenizer import tokenizer_dir
     from tide_megatron.trainer.actor import MegatronActor
-    from tide_megatron.trainer.batch import pack_micro_batches
+    from tide_megatron.trainer.batch import micro_batches_by_budget
     from tide_megatron.trainer.config import TrainerConfig
     from tide_megatron.utils.net import free_port
 
@@ -103,8 +103,8 @@ def warm_start(job, out_dir: Path, steps: int, batch: int, lr: float) -> tuple[s
     images = TrajectoryImages.for_model(cfg, random_dir)
     action_logprob = []
     for step in range(steps):
-        mbs = pack_micro_batches([to_train_trajectory(Trajectory.from_tokens(**r), images) for r in records[step * batch:(step + 1) * batch]],
-                                 job.trainer.micro_batch_tokens)
+        trajs = [to_train_trajectory(Trajectory.from_tokens(**r), images) for r in records[step * batch:(step + 1) * batch]]
+        mbs = micro_batches_by_budget(trajs, job.trainer.micro_batch_tokens)
         for mb in mbs:  # the current policy as the old one: ratio 1, the behaviour-cloning gradient
             mb.old_logprobs = actor.logprobs(mb) * mb.loss_mask
         action_logprob.append(sum(float(mb.old_logprobs.sum()) for mb in mbs) / sum(mb.num_loss_tokens for mb in mbs))

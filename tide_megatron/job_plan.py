@@ -131,11 +131,13 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
     row = min(resolved.rollout.runner.max_context_tokens, tr.micro_batch_tokens)
     inputs = TrainerMemoryInputs(tp=tr.tp_size, pp=tr.pp_size, dp=plan.dp_size, bf16=tr.bf16,
                                  distributed_optimizer=tr.distributed_optimizer, with_reference=tr.kl_coef > 0,
-                                 micro_batch_tokens=tr.micro_batch_tokens, row_tokens=row, recompute=tr.recompute)
+                                 micro_batch_tokens=tr.micro_batch_tokens, row_tokens=row, recompute=tr.recompute,
+                                 packed=tr.packing)
     trainer = trainer_memory(shape, inputs, gpu_memory_gb)
     lines.append(f"memory per GPU ({gpu_memory_gb:g} GB each, estimates: core/memory_estimate.py)")
+    rows = "packed" if tr.packing else f"in rows of {row}"
     lines.append(f"  trainer rank (TP {tr.tp_size}, PP {tr.pp_size}, recompute {tr.recompute}, micro-batch "
-                 f"{tr.micro_batch_tokens} tokens in rows of {row}): {trainer.describe()}")
+                 f"{tr.micro_batch_tokens} tokens {rows}): {trainer.describe()}")
     dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16", "half") else 4
     fraction = engine_cfg.mem_fraction_static or ASSUMED_MEM_FRACTION
     engine = engine_memory(shape, gpu_memory_gb, engine_cfg.tp_size, dtype_bytes, fraction,
@@ -155,8 +157,9 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
                  f"~{relay_sync_seconds(model_bytes, len(plan.engines), tr.tp_size, link):.1f} s)")
     error = None
     if not trainer.fits:
-        error = (f"trainer GPU memory {trainer.total_gb:.1f} GB over {trainer.budget_gb:.1f} GB: set trainer.recompute="
-                 f"selective (or full), raise trainer.tp_size, or lower trainer.micro_batch_tokens")
+        packing = "" if tr.packing else "set trainer.packing=true, "
+        error = (f"trainer GPU memory {trainer.total_gb:.1f} GB over {trainer.budget_gb:.1f} GB: {packing}set "
+                 f"trainer.recompute=selective (or full), raise trainer.tp_size, or lower trainer.micro_batch_tokens")
     elif not engine.line.fits:
         error = (f"rollout engine weights {engine.line.parts[0][1]:.1f} GB do not fit rollout.engine.mem_fraction_static="
                  f"{fraction:g} of {gpu_memory_gb:g} GB: raise rollout.engine.tp_size or mem_fraction_static")

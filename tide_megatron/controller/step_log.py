@@ -128,6 +128,9 @@ class StepLog:
             "versions/mixed_frac": sum(len(t.versions) > 1 for t in trajs) / len(trajs),
             "loss": outcome.result.loss, "pg_loss": outcome.result.pg_loss, "kl": outcome.result.kl,
             "clip_frac": outcome.result.clip_frac, "grad_norm": outcome.result.grad_norm,
+            # Trainer vs rollout log-probs of the consumed tokens (`trainer.tis_mode`, README "Metrics").
+            "mismatch/abs_logprob": outcome.result.mismatch_abs, "mismatch/kl": outcome.result.mismatch_kl,
+            "mismatch/tis_clip_frac": outcome.result.tis_clip_frac,
             **{f"ledger/{k}": v for k, v in ledger.items()},
             "ledger/wasted_frac": ledger["wasted"] / ledger["generated"] if ledger["generated"] else 0.0,
             **{f"rollout/{k}": v for k, v in counters.items()},

@@ -28,6 +28,7 @@ from tide_megatron.comm.topology import Topology
 from tide_megatron.controller.modes import ModePolicy
 from tide_megatron.core.buffer import CompletedGroup, Trajectory
 from tide_megatron.core.ra2p import MicroBatchTimes, ModeChoice, RA2PMode, plan_microbatches
+from tide_megatron.trainer.batch import BatchLayout
 from tide_megatron.trainer.ra2p import ArrivingSource, ModeSelector, ModeSelectorConfig, StepReport
 from tide_megatron.trainer.step_feed import StepFeed
 from tide_megatron.trainer.worker import TrainerWorker
@@ -87,7 +88,7 @@ class TrainerDriver:
         self._inbox = inbox
         self._stash: list[Any] = []
         self._health = health
-        self.pad = cfg.trainer.pad_to_multiple_of
+        self.layout = BatchLayout.of(cfg.trainer)
         self.meter = worker.meter  # rank 0's measured costs; reference ranks add theirs per step
         prior = MicroBatchTimes(cfg.ra2p.prior_ref_fwd_s, cfg.ra2p.prior_actor_fwd_s, cfg.ra2p.prior_actor_bwd_s)
         self.selector = ModeSelector(ModeSelectorConfig(ra2p=cfg.ra2p.cost_model, prior_times=prior), self.meter)
@@ -150,7 +151,7 @@ class TrainerDriver:
         late_slots = {d: late // dp_size + (d < late % dp_size) for d in range(dp_size)}
         feed = StepFeed(self.mailbox, self.assignment, mode.value,
                         {d: len(per_dp[d]) + late_slots[d] for d in range(dp_size)}, local=self.worker,
-                        pad_to_multiple_of=self.pad,
+                        layout=self.layout,
                         source_options=dict(timeout_s=arrival_timeout_s, health=self._health))
         for d, micro_batches in enumerate(per_dp):
             for mb in micro_batches:

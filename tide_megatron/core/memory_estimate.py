@@ -103,6 +103,10 @@ class TrainerMemoryInputs:
     row_tokens: int
     """Longest row of a micro-batch (the padded length): min(max context, micro-batch tokens)."""
     recompute: str = "none"
+    packed: bool = False
+    """Packed micro-batches (`trainer.packing`): attention runs per trajectory through a kernel
+    that keeps no score matrix for backward (flash / TE fused attention: O(tokens) per head),
+    so the O(row^2) score term is gone; padded rows keep Megatron's local softmax probabilities."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ def trainer_memory(shape: ModelShape, t: TrainerMemoryInputs, gpu_gb: float, usa
     h, tokens, row = shape.hidden_size, t.micro_batch_tokens, min(t.row_tokens, t.micro_batch_tokens)
     act_scale = wbytes / 2  # the formula's bytes are for 16-bit activations
     linear = tokens * h * (ACT_LINEAR_UNSHARDED + ACT_LINEAR_SHARDED / t.tp) * act_scale
-    scores = ACT_SCORES * (shape.num_attention_heads / t.tp) * tokens * row * act_scale
+    scores = 0.0 if t.packed else ACT_SCORES * (shape.num_attention_heads / t.tp) * tokens * row * act_scale
     if t.recompute == "none":
         acts = layers * (linear + scores)
     elif t.recompute == "selective":

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 checkpoints on local disk: write a tiny random one, read one back.
+"""Hugging Face Qwen2 / Qwen3 checkpoints on local disk: write a tiny random one, read one back.
 
 Tests, the `tiny_cpu` recipe and SGLang all start from the same directory: `config.json` plus
 `model.safetensors` in fp32 (and, when given, the tokenizer files), so SGLang serves exactly the
@@ -45,24 +45,26 @@ def write_random_hf_checkpoint(
     tokenizer_dir: str | os.PathLike | None = None,
     init_std: float = 0.1,
 ) -> str:
-    """Write a random `Qwen2ForCausalLM` (fp32 safetensors + config.json) to `path`.
+    """Write a random `Qwen2ForCausalLM`, or `Qwen3ForCausalLM` when `cfg.qk_layernorm`
+    (fp32 safetensors + config.json), to `path`.
 
     Deterministic in (cfg, seed). If `tokenizer_dir` is given, its tokenizer files are copied
     next to the weights so that the directory is servable by SGLang / loadable by AutoTokenizer.
     Returns the directory path.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     hf_kwargs = cfg.to_hf_config_dict()
-    hf_kwargs.pop("architectures")
+    architecture = hf_kwargs.pop("architectures")[0]
     hf_kwargs.pop("model_type")
     hf_kwargs.pop("torch_dtype")
-    hf_config = Qwen2Config(**hf_kwargs)
-    hf_config.architectures = ["Qwen2ForCausalLM"]
+    config_class = getattr(transformers, "Qwen3Config" if cfg.qk_layernorm else "Qwen2Config")
+    hf_config = config_class(**hf_kwargs)
+    hf_config.architectures = [architecture]
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(hf_config).to(torch.float32)
+    model = getattr(transformers, architecture)(hf_config).to(torch.float32)
     randomise_(model, seed, init_std)
     if cfg.tie_word_embeddings:
         model.tie_weights()
@@ -99,8 +101,9 @@ def load_hf_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Ten
 
 
 def load_hf_model(checkpoint_dir: str | os.PathLike) -> torch.nn.Module:
-    """The checkpoint as a transformers `Qwen2ForCausalLM` in fp32, eval mode (a reference)."""
-    from transformers import Qwen2ForCausalLM
+    """The checkpoint as a transformers causal LM (`Qwen2ForCausalLM` / `Qwen3ForCausalLM`, as its
+    config.json says) in fp32, eval mode (a reference)."""
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(os.fspath(checkpoint_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(checkpoint_dir), dtype=torch.float32)
     return model.eval()

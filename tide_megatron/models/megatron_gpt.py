@@ -1,8 +1,9 @@
-"""Megatron-core GPTModel for a Qwen2 `ModelConfig`, and the process-group setup it needs.
+"""Megatron-core GPTModel for a Qwen2 / Qwen3 dense `ModelConfig`, and the process-group setup it
+needs.
 
-Everything uses Megatron-core's local (non-Transformer-Engine) spec so that one code path runs on
-CPU (gloo) and GPU (NCCL). On CPU, `install_megatron_cpu_shims()` must run first; `init_parallel`
-does that. Models take their process groups as a `ProcessGroupCollection` (`comm/groups.py`).
+The layer spec is `trainer.layer_spec`'s (`models/layer_spec.py`): Transformer Engine's where it
+can run, else Megatron's local spec with packed attention, the same code path on CPU (gloo) and
+GPU (NCCL). On CPU, `install_megatron_cpu_shims()` must run first; `init_parallel` does that. Models take their process groups as a `ProcessGroupCollection` (`comm/groups.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from tide_megatron.compat.megatron_cpu import install_megatron_cpu_shims
 from tide_megatron.models.config import ModelConfig
+from tide_megatron.models.layer_spec import gpt_layer_spec, resolve_layer_spec
 
 
 def init_parallel(tp_size: int = 1, seed: int = 0, timeout_s: float = 600.0):
@@ -89,8 +91,10 @@ def spawned_rank(rank: int, world: int, port: int, threads: int = 1) -> Iterator
         destroy_parallel()
 
 
-def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False, recompute: str = "none"):
-    """The Megatron `TransformerConfig` equivalent of a Qwen2 `ModelConfig`.
+def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False, recompute: str = "none",
+                                layer_spec: str = "local"):
+    """The Megatron `TransformerConfig` equivalent of a Qwen2 `ModelConfig` (`layer_spec`:
+    "te" or "local", resolved).
 
     fp32 by default (exact agreement with HF on CPU); dropout 0 (the RL default, and it keeps
     old/new/ref log-probs comparable); every fusion off (none exist on CPU, and the unfused paths
@@ -112,15 +116,17 @@ def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = Fals
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
-        **unfused_config_kwargs(tp, bf16, recompute),
+        qk_layernorm=cfg.qk_layernorm,  # Qwen3: per-head RMSNorm of q and k
+        **unfused_config_kwargs(tp, bf16, recompute, sequence_parallel=layer_spec == "te" and tp > 1),
     )
 
 
-def unfused_config_kwargs(tp: int, bf16: bool, recompute: str = "none") -> dict:
+def unfused_config_kwargs(tp: int, bf16: bool, recompute: str = "none", sequence_parallel: bool = False) -> dict:
     """The `TransformerConfig` fields every model of the trainer shares: no dropout, no fusion,
-    CPU initialisation, TP without sequence parallelism, fp32 (or bf16) params, and the
-    activation recompute of `trainer.recompute` ("selective": core attention, whose O(L^2)
-    scores dominate long rows; "full": every layer from its input, one layer per unit)."""
+    CPU initialisation, fp32 (or bf16) params, the activation recompute of `trainer.recompute`
+    ("selective": core attention, whose O(L^2) scores dominate long rows; "full": every layer
+    from its input, one layer per unit), and sequence parallelism when asked (the Transformer
+    Engine spec under TP; the local spec's torch norms assert under it)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     if recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
@@ -135,7 +141,7 @@ def unfused_config_kwargs(tp: int, bf16: bool, recompute: str = "none") -> dict:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        sequence_parallel=False,  # torch LayerNorm asserts under SP on CPU; TP only
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
         perform_initialization=True,
         params_dtype=dtype,
@@ -151,7 +157,8 @@ def unfused_config_kwargs(tp: int, bf16: bool, recompute: str = "none") -> dict:
     )
 
 
-def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False, recompute: str = "none"):
+def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False, recompute: str = "none",
+                    layer_spec: str = "auto"):
     """A Megatron-core `GPTModel` (local spec, RoPE, Qwen2 layout) on the current device.
 
     `groups`: the Megatron `ProcessGroupCollection` it runs on (its TP group sets the TP size);
@@ -161,16 +168,16 @@ def build_gpt_model(cfg: ModelConfig, groups=None, bf16: bool = False, recompute
     logits stay vocab-sharded under TP and log-probs use the vocab-parallel cross entropy.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if groups is None:
         from tide_megatron.comm.groups import registry
 
         groups = registry().model_groups()
-    config = megatron_transformer_config(cfg, tp=groups.tp.size(), bf16=bf16, recompute=recompute)
+    spec = resolve_layer_spec(layer_spec)
+    config = megatron_transformer_config(cfg, tp=groups.tp.size(), bf16=bf16, recompute=recompute, layer_spec=spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=gpt_layer_spec(spec, qk_layernorm=cfg.qk_layernorm),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=True,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tide_megatron.models.layer_spec import gpt_layer_spec, resolve_layer_spec
 from tide_megatron.models.megatron_gpt import unfused_config_kwargs
 from tide_megatron.models.megatron_qwen3_vl_vision import Qwen3VLVisionTower, megatron_module_base
 from tide_megatron.models.qwen3_vl_config import VLModelConfig
@@ -63,6 +64,7 @@ def language_transformer_config(cfg: VLModelConfig, tp: int, bf16: bool, recompu
         num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, mrope_section=list(cfg.mrope_section),
+        # No sequence parallelism even with TE: the image features are scattered into whole rows.
         **unfused_config_kwargs(tp, bf16, recompute))
 
 
@@ -79,16 +81,17 @@ def _scatter_rows(hidden: torch.Tensor, mask: torch.Tensor, values: torch.Tensor
 class Qwen3VLModel(megatron_module_base()):
     """Qwen3-VL: images -> vision tower -> image pads of the token embeddings -> GPTModel."""
 
-    def __init__(self, cfg: VLModelConfig, groups, bf16: bool = False, recompute: str = "none"):
+    def __init__(self, cfg: VLModelConfig, groups, bf16: bool = False, recompute: str = "none",
+                 layer_spec: str = "auto"):
         """`groups`: the Megatron `ProcessGroupCollection` it runs on (its TP group sets the TP
         size); the vision tower and the language model share it."""
         from megatron.core.enums import ModelType
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.module import MegatronModule
 
         tp = groups.tp.size()
         cfg.check_tensor_parallel(tp)
+        spec = resolve_layer_spec(layer_spec)
         config = language_transformer_config(cfg, tp, bf16, recompute)
         super().__init__(config=config)
         self.cfg = cfg
@@ -98,7 +101,7 @@ class Qwen3VLModel(megatron_module_base()):
         self.pg_collection, self.tp_group = groups, groups.tp
         self.language_model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True),
+            transformer_layer_spec=gpt_layer_spec(spec, qk_layernorm=True),
             vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings, pre_process=True,
             post_process=True, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
             position_embedding_type="mrope", rotary_base=int(cfg.rope_theta), pg_collection=groups)
@@ -128,9 +131,11 @@ class Qwen3VLModel(megatron_module_base()):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
-                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+                image_mask: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
         """input_ids # [B, S]; position_ids # [3, B, S] (or [B, S] for text: t = h = w);
-        pixel_values # [patches, patch_dim], image_grid_thw # [images, 3], image_mask # [B, S].
+        pixel_values # [patches, patch_dim], image_grid_thw # [images, 3], image_mask # [B, S];
+        `packed_seq_params`: a packed micro-batch's THD description (B = 1; the positions are
+        each trajectory's own, so the rotary angles need no offsets).
         Returns logits # [B, S, V / tp]."""
         if position_ids.dim() == 2:
             position_ids = position_ids[None].expand(3, -1, -1)
@@ -145,12 +150,14 @@ class Qwen3VLModel(megatron_module_base()):
             embeds = _scatter_rows(embeds, image_mask, image_embeds, add=False)
             self._deepstack = (image_mask, deepstack)
         try:
-            return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeds)
+            return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeds,
+                                       packed_seq_params=packed_seq_params)
         finally:
             self._deepstack = None
 
 
-def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False, recompute: str = "none") -> Qwen3VLModel:
+def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False, recompute: str = "none",
+                         layer_spec: str = "auto") -> Qwen3VLModel:
     """A Megatron `Qwen3VLModel` on the current device (random init; load HF weights with
     `qwen3_vl_conversion.load_hf_into_qwen3_vl`). `groups`: its `ProcessGroupCollection`
     (default: this rank's forward-only collection from the start-up registry)."""
@@ -158,7 +165,7 @@ def build_qwen3_vl_model(cfg: VLModelConfig, groups=None, bf16: bool = False, re
         from tide_megatron.comm.groups import registry
 
         groups = registry().model_groups()
-    model = Qwen3VLModel(cfg, groups, bf16, recompute)
+    model = Qwen3VLModel(cfg, groups, bf16, recompute, layer_spec)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

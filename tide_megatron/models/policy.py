@@ -1,6 +1,6 @@
 """The policy model of a checkpoint, whichever family it is: the one place that dispatches on it.
 
-Two families: Qwen2 text models (`ModelConfig`, Megatron `GPTModel`) and Qwen3-VL
+Two families: Qwen2 / Qwen3 dense text models (`ModelConfig`, Megatron `GPTModel`) and Qwen3-VL
 vision-language models (`VLModelConfig`, `Qwen3VLModel`). The trainer, the reference model and
 the weight push call these functions and never look at the family themselves.
 """
@@ -42,17 +42,19 @@ def banned_token_ids(cfg: PolicyConfig) -> tuple[int, ...]:
     return cfg.vision_special_token_ids if is_vision_language(cfg) else ()
 
 
-def build_model(cfg: PolicyConfig, groups=None, bf16: bool = False, recompute: str = "none") -> torch.nn.Module:
+def build_model(cfg: PolicyConfig, groups=None, bf16: bool = False, recompute: str = "none",
+                layer_spec: str = "auto") -> torch.nn.Module:
     """The Megatron model of `cfg` on the current device (random init), on the Megatron
     `ProcessGroupCollection` `groups` (default: this rank's home TP group of the start-up
-    registry, `comm.groups`), with `trainer.recompute`'s activation recompute."""
+    registry, `comm.groups`), with `trainer.recompute`'s activation recompute and
+    `trainer.layer_spec`'s layer spec (`models/layer_spec.py`)."""
     if is_vision_language(cfg):
         from tide_megatron.models.megatron_qwen3_vl import build_qwen3_vl_model
 
-        return build_qwen3_vl_model(cfg, groups, bf16=bf16, recompute=recompute)
+        return build_qwen3_vl_model(cfg, groups, bf16=bf16, recompute=recompute, layer_spec=layer_spec)
     from tide_megatron.models.megatron_gpt import build_gpt_model
 
-    return build_gpt_model(cfg, groups, bf16=bf16, recompute=recompute)
+    return build_gpt_model(cfg, groups, bf16=bf16, recompute=recompute, layer_spec=layer_spec)
 
 
 def load_hf_weights(model: torch.nn.Module, source: str | os.PathLike | dict, cfg: PolicyConfig) -> None:

@@ -120,6 +120,11 @@ class VLModelConfig:
         return False
 
     @property
+    def qk_layernorm(self) -> bool:
+        """The language model is Qwen3's: per-head q/k RMSNorm (read by the text converter)."""
+        return True
+
+    @property
     def vision_special_token_ids(self) -> tuple[int, int, int, int]:
         return (self.vision_start_token_id, self.vision_end_token_id, self.image_token_id, self.video_token_id)
 

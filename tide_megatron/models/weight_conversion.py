@@ -1,4 +1,4 @@
-"""Weight layouts: Hugging Face Qwen2 <-> Megatron-core GPTModel (local spec), TP-sharded.
+"""Weight layouts: Hugging Face Qwen2 / Qwen3 <-> Megatron-core GPTModel (local spec), TP-sharded.
 
 Megatron fuses and shards differently from HF:
 
@@ -10,7 +10,13 @@ Megatron fuses and shards differently from HF:
   [gate rows of r; up rows of r], not a slice of the full [gate; up].
 - `linear_proj` (o_proj) and `linear_fc2` (down_proj) are row-parallel: split along inputs.
 - Embedding and output layer are vocab-parallel: split along rows.
-- Norms are replicated.
+- Norms are replicated, Qwen3's per-head q/k norms (`self_attn.q_norm` / `k_norm`, Megatron's
+  `self_attention.q_layernorm` / `k_layernorm`, `head_dim` wide) too.
+
+Transformer Engine's layer spec fuses each pre-norm into the linear layer after it: its
+`self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_norm_weight` are the local
+spec's `input_layernorm.weight` and `pre_mlp_layernorm.weight` (`local_name`); everything else is
+named alike, so one mapping serves both specs.
 
 `hf_to_megatron` builds one rank's shard; `megatron_to_hf` gathers all ranks' shards and yields
 full HF tensors one at a time (a streaming weight sync never holds the whole model twice).
@@ -27,6 +33,16 @@ import torch
 from tide_megatron.models.config import ModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TE_FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def local_name(name: str) -> str:
+    """The local spec's name of a Megatron parameter of either spec (module docstring)."""
+    for te, local in _TE_FUSED_NORMS.items():
+        if name.endswith("." + te):
+            return name[: -len(te)] + local
+    return name
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -70,7 +86,10 @@ def _shard(t: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tenso
 
 def hf_to_megatron(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, tp_rank: int = 0,
                    tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The Megatron GPTModel state dict (TP rank `tp_rank` of `tp_size`) of an HF Qwen2 one."""
+    """The Megatron GPTModel state dict (TP rank `tp_rank` of `tp_size`) of an HF Qwen2/Qwen3 one.
+
+    `cfg.qk_layernorm` (Qwen3, Qwen3-VL's language model) says whether the q/k norms are read: a
+    checkpoint of the other family fails here (KeyError) or in `copy_shard_into` (unexpected)."""
     cfg.check_tensor_parallel(tp_size)
     sd = state_dict
     out: dict[str, torch.Tensor] = {
@@ -91,7 +110,7 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, tp_ran
                 sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"],
                 cfg, tp_rank, tp_size)
         out[mg + "self_attention.linear_proj.weight"] = _shard(sd[attn + "o_proj.weight"], 1, tp_rank, tp_size)
-        if attn + "q_norm.weight" in sd:  # Qwen3: per-head RMSNorm of q and k (replicated)
+        if cfg.qk_layernorm:  # Qwen3: per-head RMSNorm of q and k (replicated)
             out[mg + "self_attention.q_layernorm.weight"] = sd[attn + "q_norm.weight"].clone()
             out[mg + "self_attention.k_layernorm.weight"] = sd[attn + "k_norm.weight"].clone()
         out[mg + "pre_mlp_layernorm.weight"] = sd[hf + "post_attention_layernorm.weight"].clone()
@@ -106,6 +125,7 @@ def _megatron_shards_to_hf(name: str, shards: list[torch.Tensor], cfg: ModelConf
                            ) -> list[tuple[str, torch.Tensor]]:
     """All TP ranks' shards of one Megatron parameter -> its full HF tensor(s)."""
     tp = len(shards)
+    name = local_name(name)
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", torch.cat(shards, 0))]
     if name == "output_layer.weight":
@@ -206,7 +226,7 @@ def copy_shard_into(model: torch.nn.Module, make_shard) -> None:
     module = unwrap_model(model)
     tp_group = module.pg_collection.tp
     shard = make_shard(tp_group.rank(), tp_group.size())
-    params = dict(module.named_parameters())
+    params = {local_name(n): p for n, p in module.named_parameters()}
     missing = set(params) - set(shard)
     unexpected = set(shard) - set(params)
     if missing or unexpected:

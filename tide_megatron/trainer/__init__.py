@@ -7,7 +7,7 @@ from tide_megatron.utils.lazy_exports import lazy_exports
 # without torch and Megatron, which the actor and the losses import.
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "actor": ("MegatronActor", "ReferenceModel", "UpdateResult"),
-    "batch": ("MicroBatch", "TrajectoryTensors", "collate", "pack_micro_batches"),
+    "batch": ("BatchLayout", "MicroBatch", "TrajectoryTensors", "collate", "micro_batches_by_budget", "pack"),
     "checkpoint": ("latest_checkpoint", "load_checkpoint", "load_latest_checkpoint", "save_checkpoint"),
     "config": ("KL_ESTIMATORS", "TrainerConfig"),
     "grpo_loss": ("grpo_loss", "grpo_loss_grad_wrt_logprobs", "kl_penalty"),

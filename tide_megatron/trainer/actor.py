@@ -27,11 +27,8 @@ from tide_megatron.models.policy import PolicyConfig, banned_token_ids, build_mo
 from tide_megatron.models.weight_conversion import unwrap_model
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.config import TrainerConfig
-from tide_megatron.trainer.grpo_loss import grpo_loss
+from tide_megatron.trainer.grpo_loss import METRIC_KEYS, grpo_loss
 from tide_megatron.trainer.logprobs import forward_logprobs
-
-
-METRIC_KEYS = ("loss", "pg_loss", "kl", "clip_frac")
 
 
 def _device() -> torch.device:
@@ -42,12 +39,12 @@ class ReferenceModel:
     """A frozen GPTModel: forward-only per-token log-probs for the KL penalty."""
 
     def __init__(self, model_cfg: PolicyConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False,
-                 groups=None):
+                 groups=None, layer_spec: str = "auto"):
         """`groups`: the `ProcessGroupCollection` to run on (default: this rank's home TP group,
-        `GroupRegistry.model_groups()`)."""
+        `GroupRegistry.model_groups()`); `layer_spec`: the actor's (`trainer.layer_spec`)."""
         self.model_cfg = model_cfg
         self.banned_token_ids = banned_token_ids(model_cfg)
-        self.model = build_model(model_cfg, groups, bf16=bf16)
+        self.model = build_model(model_cfg, groups, bf16=bf16, layer_spec=layer_spec)
         load_hf_weights(self.model, hf_checkpoint_dir, model_cfg)
         self.model.eval()
         for param in self.model.parameters():
@@ -79,6 +76,11 @@ class UpdateResult:
     update_successful: bool
     step: int
     ref_wait_s: float = 0.0  # loss-in-backward: time backward passes waited for the reference
+    # Train-inference mismatch over the loss tokens (`grpo_loss.tis_weights`): trainer's old
+    # log-probs q against the rollout's o. Reported whatever `trainer.tis_mode` is.
+    mismatch_abs: float = 0.0  # token mean of |q - o|
+    mismatch_kl: float = 0.0  # token mean of the k3 estimate of KL(rollout || trainer)
+    tis_clip_frac: float = 0.0  # share of tokens whose weight the cap truncated or masked
 
 
 class MegatronActor:
@@ -103,7 +105,8 @@ class MegatronActor:
         self.cfg = trainer_cfg
         self.groups = groups
         self.step = 0
-        model = build_model(model_cfg, groups, bf16=trainer_cfg.bf16, recompute=trainer_cfg.recompute)
+        model = build_model(model_cfg, groups, bf16=trainer_cfg.bf16, recompute=trainer_cfg.recompute,
+                            layer_spec=trainer_cfg.layer_spec)
         # Load before DDP wraps the params: DDP re-points them into its contiguous buffers.
         if hf_checkpoint_dir is not None:
             load_hf_weights(model, hf_checkpoint_dir, model_cfg)
@@ -182,19 +185,24 @@ class MegatronActor:
 
     # ---- one optimizer step ------------------------------------------------------------
 
-    def _loss_func(self, mb: MicroBatch, logprobs: torch.Tensor):
+    def _loss_func(self, mb: MicroBatch, trainer_old: torch.Tensor | None, logprobs: torch.Tensor):
+        # trainer_old: # [B, T] recomputed old log-probs, or None: the loss takes logprobs.detach()
         ref = mb.ref_logprobs if self.cfg.kl_coef != 0.0 else None
         if self.cfg.loss_in_backward:
             from tide_megatron.trainer.loss_in_backward import deferred_grpo_loss
 
-            return deferred_grpo_loss(logprobs, mb, self.cfg)
-        return grpo_loss(logprobs, mb.old_logprobs, mb.advantages, ref, mb.loss_mask, self.cfg)
+            return deferred_grpo_loss(logprobs, mb, self.cfg, trainer_old)
+        return grpo_loss(logprobs, mb.old_logprobs, mb.advantages, ref, mb.loss_mask, self.cfg, trainer_old)
 
     def _forward_step(self, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb = next(data_iterator).to(_device())
+        # `trainer.recompute_old_logprobs`: the old log-probs from a no-grad forward of this
+        # micro-batch, here, just before its training forward (the iterator stays lazy). Weights
+        # change only at the step's one optimizer step, so these are the pre-update numbers.
+        trainer_old = self.logprobs(mb) if self.cfg.recompute_old_logprobs else None  # [B, T]
         logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids, self.banned_token_ids,
                                     **mb.model_inputs())  # [B, T]
-        return logprobs, partial(self._loss_func, mb)
+        return logprobs, partial(self._loss_func, mb, trainer_old)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> list[dict]:
         """Zero the grads, then forward + backward every micro-batch (no optimizer step).
@@ -260,7 +268,9 @@ class MegatronActor:
             num_tokens=int(totals["loss"][1]),
             grad_norm=None if grad_norm is None else float(grad_norm),
             update_successful=bool(update_successful), step=self.step,
-            ref_wait_s=sum(float(r.get("ref_wait_s", 0.0)) for r in reports))
+            ref_wait_s=sum(float(r.get("ref_wait_s", 0.0)) for r in reports),
+            mismatch_abs=totals["mismatch_abs"][0] / count, mismatch_kl=totals["mismatch_kl"][0] / count,
+            tis_clip_frac=totals["tis_clip_frac"][0] / count)
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, list[float]]:
         """Sum [sum, count] metric pairs over micro-batches, then over the DP group."""

@@ -1,19 +1,26 @@
-"""Trainer inputs: one trajectory, and padded micro-batches of them.
+"""Trainer inputs: one trajectory, and micro-batches of them, packed or padded.
 
-Layout choice: padding, not packing. Each micro-batch is right-padded to its own longest
-trajectory (rounded up to `pad_to_multiple_of`). With a causal mask, right padding never changes
-the log-probs of real tokens, so no per-sequence mask or position reset is needed, the same
-explicit causal mask serves every row, and Megatron's local attention (which takes one mask) works
-on CPU and GPU alike. Padding waste is bounded by grouping trajectories of similar length (the
-RA2P planner orders them; `pack_micro_batches` keeps its order).
+Two layouts (`BatchLayout`, `trainer.packing`):
+- packed (the default): a micro-batch is one row holding its trajectories end to end, no
+  padding; `cu_seqlens` # [S + 1] marks where each starts. The model attends within each
+  trajectory only (Megatron's THD `PackedSeqParams`: Transformer Engine's attention on GPU, the
+  segment-wise attention of `models/packed_attention.py` with the local spec), so attention costs
+  the sum of squared trajectory lengths and no token is spent on padding. Positions restart at 0
+  with each trajectory (MRoPE positions are each trajectory's own).
+- padded: rows right-padded to the micro-batch's longest trajectory (rounded up to
+  `pad_to_multiple_of`) under one dense causal mask # [1, 1, T, T]. With a causal mask, right
+  padding never changes the log-probs of real tokens. Kept as the reference the packed layout is
+  tested against, and for the padded-vs-packed benchmark.
 
-Alignment: position t of `token_ids` carries log p(token_ids[t] | token_ids[:t]); position 0 has
-no prediction, so its loss mask must be 0 (it is a prompt token anyway).
+Alignment: position t of a trajectory carries log p(token t | tokens before t in the same
+trajectory); its first position has no prediction, so its loss mask must be 0 (a prompt token
+anyway). Advantages are one per token in the packed layout (a row holds many trajectories), one
+per row in the padded one (`grpo_loss.per_token` takes both).
 
 Images (vision-language policies): a trajectory may carry its images' pixel values and grids,
 the mask of its image pads and its MRoPE positions # [3, T]. A micro-batch concatenates the
-images in row order, pads `image_mask` with False and continues each row's positions through the
-padding; `MicroBatch.model_inputs()` is what the model's forward takes besides ids and positions.
+images in trajectory order; `MicroBatch.model_inputs()` is what the model's forward takes
+besides ids and positions.
 """
 
 from __future__ import annotations
@@ -62,30 +69,49 @@ class TrajectoryTensors:
 
 @dataclass
 class MicroBatch:
-    """Right-padded trajectories; padding has loss_mask 0."""
+    """Trajectories as one packed row (`cu_seqlens` set) or as right-padded rows (padding has
+    loss_mask 0). B = 1 and T = the sum of the lengths when packed."""
 
     token_ids: torch.Tensor  # [B, T] int64, pad id 0
     position_ids: torch.Tensor  # [B, T] int64
     loss_mask: torch.Tensor  # [B, T] float32
     old_logprobs: torch.Tensor  # [B, T] float32
-    advantages: torch.Tensor  # [B] float32
+    advantages: torch.Tensor  # [B] float32 per padded row, or [1, T] per token when packed
     ref_logprobs: "torch.Tensor | PendingLogprobs | None" = None  # [B, T] float32, or a handle
-    lengths: list[int] = field(default_factory=list)  # real length of each row
+    lengths: list[int] = field(default_factory=list)  # each trajectory's real length, in order
     pixel_values: torch.Tensor | None = None  # [patches, patch_dim]: every row's images, row order
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
     image_mask: torch.Tensor | None = None  # [B, T] bool
+    cu_seqlens: torch.Tensor | None = None  # [S + 1] int32 trajectory starts (packed); None: padded
     # With images, position_ids is [3, B, T] (MRoPE); otherwise [B, T].
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    def packed_seq_params(self):
+        """Megatron's THD description of a packed micro-batch (None when padded)."""
+        if self.cu_seqlens is None:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = max(self.lengths)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    def model_inputs(self) -> dict:
         """What the model's forward takes besides ids, positions and the attention mask."""
-        if self.pixel_values is None:
-            return {}
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
-                "image_mask": self.image_mask}
+        inputs: dict = {}
+        if self.cu_seqlens is not None:
+            inputs["packed_seq_params"] = self.packed_seq_params()
+        if self.pixel_values is not None:
+            inputs.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
+                          image_mask=self.image_mask)
+        return inputs
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         # ref_logprobs may be a pending handle (loss-in-backward); only tensors move.
@@ -93,7 +119,33 @@ class MicroBatch:
         return MicroBatch(move(self.token_ids), move(self.position_ids), move(self.loss_mask),
                           move(self.old_logprobs), move(self.advantages), move(self.ref_logprobs),
                           list(self.lengths), move(self.pixel_values), move(self.image_grid_thw),
-                          move(self.image_mask))
+                          move(self.image_mask), move(self.cu_seqlens))
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How trajectories become a micro-batch (`TrainerConfig.batch_layout`). Every rank that
+    builds micro-batches of one step (actor and reference) must use the same layout: the
+    reference's log-probs stream into the actor's micro-batch by shape."""
+
+    packed: bool = True
+    pad_to_multiple_of: int = 1
+    """Padded layout only: round each micro-batch's padded length up to this."""
+
+    @classmethod
+    def of(cls, trainer_cfg) -> "BatchLayout":
+        """The layout a `TrainerConfig` asks for."""
+        return cls(trainer_cfg.packing, trainer_cfg.pad_to_multiple_of)
+
+    def micro_batch(self, trajectories: list[TrajectoryTensors]) -> MicroBatch:
+        return pack(trajectories) if self.packed else collate(trajectories, self.pad_to_multiple_of)
+
+    def cost_tokens(self, lengths: list[int]) -> int:
+        """Tokens the model computes for a micro-batch of these lengths (padding included)."""
+        if self.packed:
+            return sum(lengths)
+        longest = -(-max(lengths) // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return longest * len(lengths)
 
 
 def collate(trajectories: list[TrajectoryTensors], pad_to_multiple_of: int = 1) -> MicroBatch:
@@ -140,21 +192,50 @@ def _collate_images(mb: MicroBatch, trajectories: list[TrajectoryTensors], seq_l
         mb.image_grid_thw = torch.cat([t.image_grid_thw for t in with_images])
 
 
-def pack_micro_batches(trajectories: list[TrajectoryTensors], micro_batch_tokens: int,
-                       pad_to_multiple_of: int = 1) -> list[MicroBatch]:
+def pack(trajectories: list[TrajectoryTensors]) -> MicroBatch:
+    """Trajectories end to end in one row, no padding."""
+    if not trajectories:
+        raise ValueError("cannot pack an empty list of trajectories")
+    lengths = [len(t) for t in trajectories]
+    if min(lengths) == 0:
+        raise ValueError("cannot pack an empty trajectory")
+    cat = lambda tensors: torch.cat([t.reshape(-1) for t in tensors])[None]  # noqa: E731  # [1, T]
+    token_ids = cat([t.token_ids for t in trajectories]).long()
+    loss_mask = cat([t.loss_mask for t in trajectories]).float()
+    old_logprobs = cat([t.old_logprobs for t in trajectories]).float()
+    has_ref = all(t.ref_logprobs is not None for t in trajectories)
+    ref_logprobs = cat([t.ref_logprobs for t in trajectories]).float() if has_ref else None
+    advantages = cat([torch.full((n,), float(t.advantage)) for t, n in zip(trajectories, lengths)])
+    position_ids = cat([torch.arange(n) for n in lengths])  # each trajectory from 0
+    cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [S + 1]
+    mb = MicroBatch(token_ids, position_ids, loss_mask, old_logprobs, advantages, ref_logprobs, lengths,
+                    cu_seqlens=cu_seqlens)
+    if any(t.position_ids is not None for t in trajectories):
+        own = [t.position_ids if t.position_ids is not None else torch.arange(n)[None].expand(3, n)
+               for t, n in zip(trajectories, lengths)]
+        mb.position_ids = torch.cat(own, dim=1)[:, None]  # [3, 1, T]
+        mb.image_mask = torch.cat([t.image_mask if t.image_mask is not None else torch.zeros(n, dtype=torch.bool)
+                                   for t, n in zip(trajectories, lengths)])[None]  # [1, T]
+        with_images = [t for t in trajectories if t.pixel_values is not None]
+        if with_images:
+            mb.pixel_values = torch.cat([t.pixel_values for t in with_images])
+            mb.image_grid_thw = torch.cat([t.image_grid_thw for t in with_images])
+    return mb
+
+
+def micro_batches_by_budget(trajectories: list[TrajectoryTensors], micro_batch_tokens: int,
+                            layout: BatchLayout = BatchLayout()) -> list[MicroBatch]:
     """Split trajectories, in the given order, into micro-batches of at most
-    `micro_batch_tokens` padded tokens (rows x padded length). A trajectory longer than the budget
-    gets a micro-batch of its own."""
+    `micro_batch_tokens` computed tokens (`BatchLayout.cost_tokens`: the sum of lengths packed,
+    rows x padded length padded). A trajectory longer than the budget gets a micro-batch of its
+    own. (Real steps are planned by RA2P, `trainer/ra2p/dispatch.py`; this serves benchmarks.)"""
     groups: list[list[TrajectoryTensors]] = []
     current: list[TrajectoryTensors] = []
-    longest = 0
     for traj in trajectories:
-        padded = -(-max(longest, len(traj)) // pad_to_multiple_of) * pad_to_multiple_of
-        if current and padded * (len(current) + 1) > micro_batch_tokens:
+        if current and layout.cost_tokens([len(t) for t in current] + [len(traj)]) > micro_batch_tokens:
             groups.append(current)
-            current, longest = [], 0
+            current = []
         current.append(traj)
-        longest = max(longest, len(traj))
     if current:
         groups.append(current)
-    return [collate(group, pad_to_multiple_of) for group in groups]
+    return [layout.micro_batch(group) for group in groups]

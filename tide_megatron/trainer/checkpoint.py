@@ -21,7 +21,8 @@ write the checkpoint directory can rewrite the manifest too, so checkpoints are 
 like model weights (see docs/threat_model.md).
 
 The format is dist_checkpointing's, which can reshard to another TP size on load; the tests
-cover save/load at the same TP size only (TP=1 and TP=2).
+cover resuming at the same TP size (TP=1 and TP=2) and loading the model of a TP=2 checkpoint at
+TP=1 (`models/hf_export.py`).
 
 Who takes part: every current actor rank, and no other. dist_checkpointing runs its collectives
 on the default group, which spans the whole job (rollout ranks too), so they run with the
@@ -326,6 +327,7 @@ def load_checkpoint(actor: "MegatronActor", path: str | os.PathLike) -> int:
     when its files do not match, CheckpointError when the loader still fails.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from tide_megatron.comm.groups import as_default_group
 
@@ -338,7 +340,7 @@ def load_checkpoint(actor: "MegatronActor", path: str | os.PathLike) -> int:
             state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), path)
         actor.module.load_state_dict(state["model"])
         actor.optimizer.load_state_dict(state["optimizer"])
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be loaded into this model: "
                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
                               ) from exc

@@ -92,14 +92,23 @@ def forward_logprobs(model: torch.nn.Module, token_ids: torch.Tensor,
                      **model_inputs: torch.Tensor) -> torch.Tensor:
     """Run the model on token_ids # [B, T] and return their per-token log-probs # [B, T].
 
-    Passes an explicit causal mask and position ids (Megatron's defaults are built on "cuda");
-    `model_inputs` (a vision-language model's images, `MicroBatch.model_inputs()`) go to the
-    model's forward as they are. The TP group is the model's own (`pg_collection.tp`).
-    Differentiable; wrap in `torch.no_grad()` for the reference or old-policy recomputation.
+    `model_inputs` (`MicroBatch.model_inputs()`: a vision-language model's images, a packed
+    micro-batch's `packed_seq_params`) go to the model's forward as they are. A padded batch gets
+    an explicit causal mask (Megatron's default is built on "cuda"); a packed one none (each
+    trajectory attends to itself, `models/layer_spec.py`), and the first position of every
+    trajectory gets log-prob 0, as position 0 of a padded row does. The TP group is the model's
+    own (`pg_collection.tp`). Differentiable; wrap in `torch.no_grad()` for the reference or
+    old-policy recomputation.
     """
     batch, seq_len = token_ids.shape
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=token_ids.device)[None].expand(batch, seq_len)
-    mask = causal_attention_mask(seq_len, device=token_ids.device)  # [1, 1, T, T]
+    packed = model_inputs.get("packed_seq_params")
+    mask = None if packed is not None else causal_attention_mask(seq_len, device=token_ids.device)  # [1, 1, T, T]
     logits = model(token_ids, position_ids, mask, **model_inputs)  # [B, T, V/tp]
-    return logprobs_from_logits(logits, token_ids, unwrap_model(model).pg_collection.tp, banned_token_ids)
+    logprobs = logprobs_from_logits(logits, token_ids, unwrap_model(model).pg_collection.tp, banned_token_ids)
+    if packed is not None:
+        # Position s of a trajectory starting at s "predicts" it from the previous trajectory.
+        starts = packed.cu_seqlens_q[:-1].to(device=logprobs.device, dtype=torch.long)
+        logprobs = logprobs.index_fill(1, starts, 0.0)
+    return logprobs  # [B, T]

@@ -15,6 +15,11 @@ actor's backward can wait, never its forward.
 The scalar the Function returns carries the policy-gradient part of the loss (the KL value is
 unknown in forward); the metrics dict it hands to Megatron is completed in backward with the full
 loss and KL, so the numbers reported after `forward_backward` are the same as the ordinary path's.
+
+Train-inference mismatch correction (`trainer.tis_mode`) needs nothing from the reference: its
+weights come from the trainer's old log-probs (the forward's own detached ones, or the recomputed
+ones the actor passes) and the rollout's, so forward computes them and backward scales the
+closed-form gradient by them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from tide_megatron.trainer.batch import MicroBatch, PendingLogprobs
 from tide_megatron.trainer.config import TrainerConfig
-from tide_megatron.trainer.grpo_loss import grpo_loss_grad_wrt_logprobs, grpo_token_loss
+from tide_megatron.trainer.grpo_loss import METRIC_KEYS, grpo_loss_grad_wrt_logprobs, grpo_token_loss, loss_metrics
 
 
 class ReadyLogprobs:
@@ -81,51 +86,51 @@ class _DeferredGRPOLoss(torch.autograd.Function):
     """loss_sum(logprobs), with the loss's dependence on the reference resolved in backward."""
 
     @staticmethod
-    def forward(ctx, logprobs, old_logprobs, advantages, loss_mask, pending, cfg, report):
-        # logprobs, old_logprobs, loss_mask: # [B, T]; advantages: # [B]
-        ctx.save_for_backward(logprobs.detach(), old_logprobs, advantages, loss_mask)
+    def forward(ctx, logprobs, old_logprobs, advantages, loss_mask, pending, cfg, report, trainer_old=None):
+        # logprobs, old_logprobs, loss_mask, trainer_old: # [B, T]; advantages: # [B] or [B, T]
+        # trainer_old None: the forward's own log-probs (`grpo_loss.grpo_token_loss`).
+        trainer_old = logprobs.detach() if trainer_old is None else trainer_old.detach()
+        ctx.save_for_backward(logprobs.detach(), old_logprobs, advantages, loss_mask, trainer_old)
         ctx.pending, ctx.cfg, ctx.report = pending, cfg, report
         no_kl = dataclasses.replace(cfg, kl_coef=0.0)
-        terms = grpo_token_loss(logprobs.detach(), old_logprobs, advantages, None, no_kl)
+        terms = grpo_token_loss(logprobs.detach(), old_logprobs, advantages, None, no_kl, trainer_old)
         mask = loss_mask.to(logprobs.dtype)
-        count = mask.sum()
-        pg_sum = (terms["pg"] * mask).sum()
-        report["pg_loss"].copy_(torch.stack([pg_sum, count]))
-        report["clip_frac"].copy_(torch.stack([(terms["clipped"].to(mask.dtype) * mask).sum(), count]))
-        report["loss"].copy_(torch.stack([pg_sum, count]))  # completed with the KL in backward
-        report["kl"][1] = count
-        return pg_sum
+        metrics = loss_metrics(terms, mask)  # "loss" and "kl" lack the KL until backward adds it
+        for key, value in metrics.items():
+            report[key].copy_(value)
+        return metrics["pg_loss"][0].clone()
 
     @staticmethod
     def backward(ctx, grad_output):
-        logprobs, old_logprobs, advantages, loss_mask = ctx.saved_tensors
+        logprobs, old_logprobs, advantages, loss_mask, trainer_old = ctx.saved_tensors
         cfg, report = ctx.cfg, ctx.report
         ref = None
         if cfg.kl_coef != 0.0:
             started = time.perf_counter()
             ref = ctx.pending.wait().to(device=logprobs.device, dtype=logprobs.dtype)
             report["ref_wait_s"] = time.perf_counter() - started
-            terms = grpo_token_loss(logprobs, old_logprobs, advantages, ref, cfg)
+            terms = grpo_token_loss(logprobs, old_logprobs, advantages, ref, cfg, trainer_old)
             mask = loss_mask.to(logprobs.dtype)
             report["kl"][0] = (terms["kl"] * mask).sum()
             report["loss"][0] = (terms["loss"] * mask).sum()
-        grad = grpo_loss_grad_wrt_logprobs(logprobs, old_logprobs, advantages, ref, loss_mask, cfg)
-        return grad * grad_output, None, None, None, None, None, None
+        grad = grpo_loss_grad_wrt_logprobs(logprobs, old_logprobs, advantages, ref, loss_mask, cfg, trainer_old)
+        return grad * grad_output, None, None, None, None, None, None, None
 
 
-def deferred_grpo_loss(logprobs: torch.Tensor, mb: MicroBatch, cfg: TrainerConfig
-                       ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def deferred_grpo_loss(logprobs: torch.Tensor, mb: MicroBatch, cfg: TrainerConfig,
+                       trainer_old_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Megatron loss-function contract, like `grpo_loss`, with the reference read in backward.
 
     `mb.ref_logprobs` may be a tensor or a `PendingLogprobs`; it is not touched until backward.
     The returned metrics dict is filled in completely once backward has run.
+    trainer_old_logprobs: # [B, T] the recomputed old log-probs (`trainer.recompute_old_logprobs`),
+    None: the forward's own.
     """
     pending = as_pending(mb.ref_logprobs) if cfg.kl_coef != 0.0 else None
     if cfg.kl_coef != 0.0 and pending is None:
         raise ValueError("kl_coef != 0 needs reference log-probs (a tensor or a pending handle)")
-    report = {key: torch.zeros(2, dtype=torch.float32, device=logprobs.device)
-              for key in ("loss", "pg_loss", "kl", "clip_frac")}
+    report = {key: torch.zeros(2, dtype=torch.float32, device=logprobs.device) for key in METRIC_KEYS}
     loss_sum = _DeferredGRPOLoss.apply(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-                                       pending, cfg, report)
+                                       pending, cfg, report, trainer_old_logprobs)
     num_tokens = mb.loss_mask.sum().to(torch.int)
     return loss_sum, num_tokens, report

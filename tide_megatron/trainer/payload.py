@@ -10,7 +10,7 @@ import torch
 
 from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
-from tide_megatron.trainer.batch import MicroBatch, TrajectoryTensors, collate
+from tide_megatron.trainer.batch import BatchLayout, MicroBatch, TrajectoryTensors
 
 
 def to_train_trajectory(traj: Trajectory, images: TrajectoryImages | None = None) -> TrajectoryTensors:
@@ -30,10 +30,10 @@ def to_train_trajectory(traj: Trajectory, images: TrajectoryImages | None = None
     )
 
 
-def micro_batch_of(trajectories: list[Trajectory], pad_to_multiple_of: int = 1,
+def micro_batch_of(trajectories: list[Trajectory], layout: BatchLayout = BatchLayout(),
                    images: TrajectoryImages | None = None) -> MicroBatch:
-    """One micro-batch of rollout trajectories."""
-    return collate([to_train_trajectory(t, images) for t in trajectories], pad_to_multiple_of)
+    """One micro-batch of rollout trajectories, in `layout` (packed by default)."""
+    return layout.micro_batch([to_train_trajectory(t, images) for t in trajectories])
 
 
 def empty_micro_batch(with_ref: bool) -> MicroBatch:

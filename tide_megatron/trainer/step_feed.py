@@ -25,6 +25,7 @@ from tide_megatron.comm.messages import (Message, OpenRefStep, OpenStep, RefDone
                                          TrainMicroBatch)
 from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.trainer.assignment import TrainerAssignment
+from tide_megatron.trainer.batch import BatchLayout
 from tide_megatron.trainer.payload import micro_batch_of
 from tide_megatron.trainer.ra2p.source import ArrivingSource
 
@@ -33,7 +34,7 @@ class StepFeed:
     """Opens one step on every actor and reference rank and routes its micro-batches."""
 
     def __init__(self, mailbox: Mailbox, assignment: TrainerAssignment, mode: str,
-                 num_micro_batches: Mapping[int, int], local=None, pad_to_multiple_of: int = 1,
+                 num_micro_batches: Mapping[int, int], local=None, layout: BatchLayout = BatchLayout(),
                  source_options: Mapping[str, Any] | None = None):
         """`local`: the posting rank's own `TrainerWorker` when it is an actor (rank 0); its
         micro-batches go into `local_source` instead of the mailbox, an `ArrivingSource` built
@@ -43,7 +44,7 @@ class StepFeed:
         unknown = set(num_micro_batches) - set(range(assignment.dp_size))
         if unknown:
             raise ValueError(f"DP ranks {sorted(unknown)} outside 0..{assignment.dp_size - 1}")
-        self.mailbox, self.assignment, self.mode, self.pad = mailbox, assignment, mode, pad_to_multiple_of
+        self.mailbox, self.assignment, self.mode, self.layout = mailbox, assignment, mode, layout
         self.counts = {dp: int(num_micro_batches.get(dp, 0)) for dp in range(assignment.dp_size)}
         self._sent = dict.fromkeys(self.counts, 0)
         me = mailbox.owner
@@ -72,7 +73,7 @@ class StepFeed:
         self._sent[dp] += 1
         for rank in self.assignment.dp_members(dp):
             if rank == self.mailbox.owner:
-                self.local_source.put(micro_batch_of(trajectories, self.pad, self.images))
+                self.local_source.put(micro_batch_of(trajectories, self.layout, self.images))
             else:
                 self.mailbox.post(rank, TrainMicroBatch(trajectories))
         if self.decoupled:

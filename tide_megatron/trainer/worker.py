@@ -47,6 +47,7 @@ from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, UpdateRes
 from tide_megatron.trainer.assignment import TrainerAssignment, plan_transition
 from tide_megatron.trainer.config import TrainerConfig
 from tide_megatron.trainer.offload import ModelOffloader, OffloadConfig
+from tide_megatron.trainer.batch import BatchLayout
 from tide_megatron.trainer.payload import empty_micro_batch, micro_batch_of
 from tide_megatron.trainer.ra2p import (ArrivingSource, ColocatedConfig, ColocatedExecutor, CostMeter,
                                         DecoupledActorExecutor, DecoupledConfig, LogprobStream,
@@ -153,7 +154,7 @@ class TrainerWorker:
         if self.ref is None:
             self._ensure_megatron()
             self.ref = ReferenceModel(self.model_cfg, self.model_path, bf16=self.cfg.bf16,
-                                      groups=self.registry.model_groups())
+                                      groups=self.registry.model_groups(), layer_spec=self.cfg.layer_spec)
             # One offloader parks the reference, for role changes and colocated swaps alike.
             self._ref_parking = ModelOffloader(self.ref.model, OffloadConfig(grads=False))
             self._ref_on_host = True
@@ -389,16 +390,16 @@ class TrainerWorker:
         """On the reader thread: a step's opening makes its sources (the main thread trains from
         them while its micro-batches still arrive), a micro-batch goes into its source, anything
         else to the main thread in order."""
-        pad = self.cfg.pad_to_multiple_of
+        layout = BatchLayout.of(self.cfg)
         if isinstance(msg, OpenStep):
             self._sources = {0: self.begin_step(msg.num_micro_batches)}
         elif isinstance(msg, TrainMicroBatch):
-            self._sources[0].put(micro_batch_of(msg.trajectories, pad, self.images))
+            self._sources[0].put(micro_batch_of(msg.trajectories, layout, self.images))
             return
         elif isinstance(msg, OpenRefStep):
             self._sources = self.begin_ref_step(msg.num_micro_batches)
         elif isinstance(msg, RefMicroBatch):
-            self._sources[msg.dp].put(micro_batch_of(msg.trajectories, pad, self.images))
+            self._sources[msg.dp].put(micro_batch_of(msg.trajectories, layout, self.images))
             return
         elif isinstance(msg, (SetRoles, Stop)):
             self._resume.clear()  # what follows may be the rollout loop's to read

@@ -61,7 +61,7 @@ def main() -> None:
         from tide_megatron.trainer.payload import to_train_trajectory
         from tide_megatron.models.megatron_gpt import init_parallel
         from tide_megatron.trainer.actor import MegatronActor
-        from tide_megatron.trainer.batch import collate, pack_micro_batches
+        from tide_megatron.trainer.batch import collate, micro_batches_by_budget
         from tide_megatron.trainer.config import TrainerConfig
 
         init_parallel(tp_size=1, seed=0)
@@ -76,7 +76,7 @@ def main() -> None:
         lp_before = actor.logprobs(before)[0]
         mask = before.loss_mask[0].bool()
         results["pre_sync_max_abs_diff"] = float((lp_before[mask] - before.old_logprobs[0][mask]).abs().max())
-        actor.train_step(pack_micro_batches(train, 4096))
+        actor.train_step(micro_batches_by_budget(train, 4096))
         engine.loop.run_until_complete(engine.update_weights(list(actor.hf_weights()), version=1))
 
         # After the sync: a fresh greedy trajectory, scored by both sides.

@@ -107,7 +107,7 @@ def main() -> None:
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
     from tide_megatron.trainer.actor import MegatronActor
-    from tide_megatron.trainer.batch import collate, pack_micro_batches
+    from tide_megatron.trainer.batch import collate, micro_batches_by_budget
     from tide_megatron.trainer.config import TrainerConfig
 
     init_parallel(tp_size=1, seed=0)
@@ -131,7 +131,7 @@ def main() -> None:
     mean = sum(rewards) / len(rewards)
     train = [to_train_trajectory(replace(t, advantage=(t.reward - mean) + 0.5 * (i % 2 - 0.5)), images)
              for i, t in enumerate(trajs)]
-    actor.train_step(pack_micro_batches(train, 4096))
+    actor.train_step(micro_batches_by_budget(train, 4096))
     after = list(actor.hf_weights())
     results["vision_weight_change"] = max(float((t - before[n]).abs().max()) for n, t in after if "visual" in n)
     engine.loop.run_until_complete(engine.update_weights(after, version=1))

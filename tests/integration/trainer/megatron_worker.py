@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from packed_copy import packed_like
 from tide_megatron.utils.net import free_port
 
 MODEL_KWARGS = dict(vocab_size=2048, hidden_size=64, num_layers=2, num_attention_heads=4,
@@ -56,7 +57,7 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
     from tide_megatron.models.config import ModelConfig
     from tide_megatron.models.megatron_gpt import init_parallel
     from tide_megatron.trainer.actor import MegatronActor, ReferenceModel
-    from tide_megatron.trainer.batch import pack_micro_batches
+    from tide_megatron.trainer.batch import BatchLayout, micro_batches_by_budget
     from tide_megatron.trainer.checkpoint import load_checkpoint, load_latest_checkpoint, save_checkpoint
     from tide_megatron.trainer.config import KL_ESTIMATORS, TrainerConfig
     from tide_megatron.trainer.loss_in_backward import FutureLogprobs
@@ -69,7 +70,9 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
     actor = MegatronActor(cfg, tcfg, hf_dir)
     ref = ReferenceModel(cfg, hf_dir)
     trajectories = make_trajectories(cfg.vocab_size)
-    mbs = pack_micro_batches(trajectories, tcfg.micro_batch_tokens)
+    # Padded micro-batches here (the reference layout: the checks below scramble the padding);
+    # the packed layout is checked against them further down.
+    mbs = micro_batches_by_budget(trajectories, tcfg.micro_batch_tokens, BatchLayout(packed=False))
     results["micro_batch_shapes"] = [tuple(mb.token_ids.shape) for mb in mbs]
     results["token_ids"] = [mb.token_ids for mb in mbs]
     results["initial_logprobs"] = [actor.logprobs(mb) for mb in mbs]
@@ -79,13 +82,23 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
     ref.attach_logprobs(mbs)
     # Activation recompute (`trainer.recompute`) trades memory for time, never numbers: the
     # same gradients on the same weights with each mode.
-    actor.forward_backward(mbs)
+    plain_reports = actor.forward_backward(mbs)
     plain = _grads(actor)
+    # The same trajectories packed (one packed micro-batch per padded one): same loss, same
+    # gradients, with and without recompute.
+    packed = [packed_like(mb, trajectories) for mb in mbs]
+    packed_reports = actor.forward_backward(packed)
+    results["packed_grad_diff"] = (_max_diff(plain, _grads(actor)), _max_abs(plain))
+    results["packed_loss"] = [(float(a["loss"][0]), float(b["loss"][0]), float(a["loss"][1]), float(b["loss"][1]))
+                              for a, b in zip(plain_reports, packed_reports)]
+    results["packed_shapes"] = [tuple(mb.token_ids.shape) for mb in packed]
     results["recompute_grad_diff"] = {}
     for mode in ("selective", "full"):
         recomputing = MegatronActor(cfg, dataclasses.replace(tcfg, recompute=mode), hf_dir)
         recomputing.forward_backward(mbs)
         results["recompute_grad_diff"][mode] = (_max_diff(plain, _grads(recomputing)), _max_abs(plain))
+        recomputing.forward_backward(packed)
+        results["recompute_grad_diff"][f"{mode}, packed"] = (_max_diff(plain, _grads(recomputing)), _max_abs(plain))
         del recomputing
     # One step first, so that below actor != old policy != reference (ratios off 1, some
     # clipped, KL non-zero): the gradient checks then exercise every branch.

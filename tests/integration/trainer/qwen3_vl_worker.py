@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from packed_copy import packed_like
 from tide_megatron.utils.net import free_port
 
 
@@ -30,7 +31,7 @@ def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str)
     from tide_megatron.core.trajectory import Trajectory
     from tide_megatron.models.qwen3_vl_inputs import TrajectoryImages
     from tide_megatron.trainer.actor import MegatronActor, ReferenceModel
-    from tide_megatron.trainer.batch import pack_micro_batches
+    from tide_megatron.trainer.batch import BatchLayout, micro_batches_by_budget
     from tide_megatron.trainer.checkpoint import load_latest_checkpoint, save_checkpoint
     from tide_megatron.trainer.config import TrainerConfig
 
@@ -39,7 +40,7 @@ def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str)
     tcfg = TrainerConfig(lr=2e-3, kl_coef=0.05, clip_grad=1.0, micro_batch_tokens=160)
     images = TrajectoryImages.for_model(cfg, hf_dir)
     trajectories = [to_train_trajectory(Trajectory.from_tokens(**r), images) for r in records]
-    mbs = pack_micro_batches(trajectories, tcfg.micro_batch_tokens)
+    mbs = micro_batches_by_budget(trajectories, tcfg.micro_batch_tokens, BatchLayout(packed=False))
     actor = MegatronActor(cfg, tcfg, hf_dir)
     ref = ReferenceModel(cfg, hf_dir)
     results: dict = {"rows": [[len(t) for t in trajectories]], "micro_batches": len(mbs),
@@ -53,9 +54,19 @@ def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str)
     ref.attach_logprobs(mbs)
 
     # Gradients reach the vision tower (through the image features and DeepStack) and the LM.
-    actor.forward_backward(mbs)
+    padded_reports = actor.forward_backward(mbs)
     grads = {n: p.main_grad.detach().norm().item() for n, p in actor.module.named_parameters()}
     results["grad_norms"] = grads
+    # The same trajectories packed (MRoPE positions and images travel with each trajectory).
+    padded_grads = {n: p.main_grad.detach().clone() for n, p in actor.module.named_parameters()}
+    packed = [packed_like(mb, trajectories) for mb in mbs]
+    packed_reports = actor.forward_backward(packed)
+    results["packed_grad_diff"] = (max((p.main_grad - padded_grads[n]).abs().max().item()
+                                       for n, p in actor.module.named_parameters()),
+                                   max(g.abs().max().item() for g in padded_grads.values()))
+    results["packed_loss"] = [(float(a["loss"][0]), float(b["loss"][0]), float(a["loss"][1]), float(b["loss"][1]))
+                              for a, b in zip(padded_reports, packed_reports)]
+    results["packed_images"] = [0 if mb.image_grid_thw is None else len(mb.image_grid_thw) for mb in packed]
 
     steps = [actor.train_step(mbs) for _ in range(3)]
     results["steps"] = [dataclasses.asdict(s) for s in steps]

@@ -147,3 +147,16 @@ def test_activation_recompute_gives_the_same_gradients(run):
     for mode, (diff, scale) in run["recompute_grad_diff"].items():
         assert scale > 0, "the plain gradients are all zero: the comparison would prove nothing"
         assert diff <= 1e-6 * max(1.0, scale), (mode, diff, scale)
+
+
+def test_packed_micro_batches_give_the_padded_loss_and_gradients(run):
+    """One row per micro-batch, trajectories end to end, attention within each: the loss sums,
+    token counts and gradients of the padded layout, to fp32 rounding."""
+    assert all(shape[0] == 1 for shape in run["packed_shapes"])
+    assert sum(shape[1] for shape in run["packed_shapes"]) < sum(a * b for a, b in run["micro_batch_shapes"])
+    for padded_sum, packed_sum, padded_count, packed_count in run["packed_loss"]:
+        assert packed_count == padded_count > 0
+        assert abs(packed_sum - padded_sum) <= 1e-5 * max(1.0, abs(padded_sum))
+    diff, scale = run["packed_grad_diff"]
+    assert scale > 0 and diff <= 1e-5 * max(1.0, scale)
+

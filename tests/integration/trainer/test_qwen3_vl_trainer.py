@@ -195,3 +195,13 @@ def test_checkpoint_resume_restores_the_policy(run):
     assert run["resume_logprob_diff"] == 0.0
 
 
+def test_packed_micro_batches_give_the_padded_loss_and_gradients(run):
+    """Packed multimodal micro-batches (each trajectory's own MRoPE positions and images, one
+    row): the padded layout's loss sums, token counts and gradients, to fp32 rounding."""
+    assert run["packed_images"] == run["images_per_micro_batch"] and sum(run["packed_images"]) > 0
+    for padded_sum, packed_sum, padded_count, packed_count in run["packed_loss"]:
+        assert packed_count == padded_count > 0
+        assert abs(packed_sum - padded_sum) <= 1e-5 * max(1.0, abs(padded_sum))
+    diff, scale = run["packed_grad_diff"]
+    assert scale > 0 and diff <= 1e-5 * max(1.0, scale)
+

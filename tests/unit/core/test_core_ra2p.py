@@ -142,6 +142,18 @@ def test_zigzag_balance_bound(lengths, dp, per_rank, final_per_rank):
 
 
 @settings(max_examples=200, deadline=None)
+@given(lengths=lengths_st, dp=st.integers(1, 8), per_rank=st.integers(64, 8192))
+def test_zigzag_also_balances_attention_cost(lengths, dp, per_rank):
+    """Packed micro-batches attend per trajectory, so a rank's attention work is the sum of its
+    squared lengths. The snake deals by position over the length-descending order, and the
+    balance argument holds for any non-increasing weights: squared lengths differ by at most the
+    largest square, as tokens do by the largest length."""
+    plan = plan_microbatches(lengths, dp, RA2PMode.COLOCATED, RA2PConfig(tokens_per_rank=per_rank))
+    squares = [sum(lengths[i] ** 2 for mb in plan.micro_batches for i in mb.shards[r]) for r in range(dp)]
+    assert max(squares) - min(squares) <= max(lengths) ** 2
+
+
+@settings(max_examples=200, deadline=None)
 @given(lengths=lengths_st, dp=st.integers(1, 8), per_rank=st.integers(64, 8192), final_per_rank=st.integers(1, 3))
 def test_decoupled_last_micro_batch_is_the_smallest(lengths, dp, per_rank, final_per_rank):
     cfg = RA2PConfig(tokens_per_rank=per_rank, final_sequences_per_rank=final_per_rank)

@@ -60,7 +60,7 @@ def test_the_dry_run_command_prints_the_plan_and_fails_with_one_line_naming_the_
     assert "32 ranks: 24 actor, 0 reference, 8 rollout" in ok.stdout
     assert "node 3: [24:engine GPUs 0]" in ok.stdout
     bad = subprocess.run(cmd + ["--nnodes", "1", "--nproc-per-node", "8", "trainer.recompute=none",
-                                "trainer.micro_batch_tokens=16384"], capture_output=True, text=True, timeout=300, cwd=REPO)
+                                "trainer.packing=false", "trainer.micro_batch_tokens=16384"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad.returncode == 1
     assert bad.stderr.strip().count("\n") == 0 and "trainer.recompute=selective" in bad.stderr
     no_trainer = subprocess.run(cmd + ["--nproc-per-node", "8", "cluster.rollout_share=0", "cluster.rollout_ranks=8"],
@@ -97,6 +97,10 @@ def test_trainer_memory_by_part():
     assert acts["none"] > acts["selective"] > acts["full"] > 0
     short = dict(trainer_memory(shape, TrainerMemoryInputs(**{**base.__dict__, "row_tokens": 4096}), 80).parts)
     assert short["activations"] < acts["none"]
+    # Packed micro-batches hold no score matrix: below padded, and independent of the row length.
+    packed = [dict(trainer_memory(shape, TrainerMemoryInputs(**{**base.__dict__, "packed": True, "row_tokens": row}),
+                                  80).parts)["activations"] for row in (4096, 8192)]
+    assert packed[0] == packed[1] < short["activations"]
 
 
 def test_engine_kv_pool_is_what_the_static_share_leaves_after_the_weights():

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tide_megatron.trainer.batch import MicroBatch, TrajectoryTensors, collate, pack_micro_batches
+from tide_megatron.trainer.batch import BatchLayout, MicroBatch, TrajectoryTensors, collate, micro_batches_by_budget
 from tide_megatron.trainer.config import KL_ESTIMATORS, TrainerConfig
 from tide_megatron.trainer.grpo_loss import (
     grpo_loss,
@@ -105,9 +105,9 @@ def test_collate_right_pads_with_masked_tokens():
     assert mb.num_loss_tokens == 2 + 4
 
 
-def test_pack_respects_the_padded_token_budget():
+def test_split_respects_the_padded_token_budget():
     trajs = [_traj(n) for n in (4, 4, 4, 10, 3)]
-    mbs = pack_micro_batches(trajs, micro_batch_tokens=12)
+    mbs = micro_batches_by_budget(trajs, 12, BatchLayout(packed=False))
     assert [mb.token_ids.shape for mb in mbs] == [(3, 4), (1, 10), (1, 3)]
     assert sum(mb.token_ids.shape[0] for mb in mbs) == len(trajs)
     assert all(mb.token_ids.numel() <= 12 for mb in mbs)

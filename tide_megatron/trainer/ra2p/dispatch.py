@@ -1,10 +1,11 @@
-"""Micro-batch dispatch: the core planner's plan turned into this rank's padded micro-batches.
+"""Micro-batch dispatch: the core planner's plan turned into this rank's micro-batches.
 
 The core planner (`core/ra2p.plan_microbatches`) decides, from sequence lengths alone, how a step's
 trajectories form micro-batches (saturating early ones, a deliberately small final one) and how
 each micro-batch is split across the DP ranks (zig-zag over the whole step in colocated mode;
 largest micro-batch first and the smallest last in decoupled mode). This module applies that
-plan to real trajectories: each rank collates its shard of every micro-batch, in plan order.
+plan to real trajectories: each rank builds its shard of every micro-batch (packed or
+padded, `BatchLayout`), in plan order.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Hashable, Mapping
 
 from tide_megatron.core.ra2p import MicroBatchPlan, RA2PConfig, plan_microbatches
 from tide_megatron.core.roles import RA2PMode
-from tide_megatron.trainer.batch import MicroBatch, TrajectoryTensors, collate
+from tide_megatron.trainer.batch import BatchLayout, MicroBatch, TrajectoryTensors
 
 
 def plan_step(trajectories: Mapping[Hashable, TrajectoryTensors], dp_size: int, mode: RA2PMode,
@@ -23,7 +24,7 @@ def plan_step(trajectories: Mapping[Hashable, TrajectoryTensors], dp_size: int, 
 
 
 def micro_batches_for_rank(plan: MicroBatchPlan, trajectories: Mapping[Hashable, TrajectoryTensors], rank: int,
-                           pad_to_multiple_of: int = 1) -> list[MicroBatch]:
+                           layout: BatchLayout = BatchLayout()) -> list[MicroBatch]:
     """This DP rank's micro-batches, in plan (feed) order; an empty shard yields none.
 
     Every rank of a step may then hold a different number of micro-batches; that is fine for
@@ -36,5 +37,5 @@ def micro_batches_for_rank(plan: MicroBatchPlan, trajectories: Mapping[Hashable,
     for mb in plan.micro_batches:
         shard = mb.shards[rank]
         if shard:
-            out.append(collate([trajectories[sid] for sid in shard], pad_to_multiple_of))
+            out.append(layout.micro_batch([trajectories[sid] for sid in shard]))
     return out
