@@ -14,7 +14,9 @@ over `--micro-batches` budgets of `--mb-tokens` tokens (`trainer.batch.micro_bat
 - layouts: `padded` (rows padded to the longest, dense causal mask) and `packed` (one row,
   attention per trajectory: `torch.nn.functional.scaled_dot_product_attention`, flash on CUDA);
   tokens/s counts real tokens only;
-- recompute: none / selective / full (`trainer.recompute`).
+- recompute: none / selective / full (`trainer.recompute`);
+- an optional fourth field rounds each micro-batch's computed length up to a multiple
+  (`trainer.pad_to_multiple_of`; packed: a masked filler segment).
 
 Model FLOPs per real token: 6 x (matmul parameters, the output layer included) + 6 x layers x
 hidden x sequence length (causal attention: half of PaLM's 12 L H T, since a causal score
@@ -88,7 +90,7 @@ def workload(kind: str, args, vocab: int, seed: int):
     return trajs, lengths
 
 
-def run_config(args, kind: str, layout: str, recompute: str) -> dict:
+def run_config(args, kind: str, layout: str, recompute: str, pad: str = "1") -> dict:
     from tide_megatron.models.config import ModelConfig
     from tide_megatron.trainer.actor import MegatronActor
     from tide_megatron.trainer.batch import BatchLayout, micro_batches_by_budget
@@ -104,7 +106,7 @@ def run_config(args, kind: str, layout: str, recompute: str) -> dict:
     times, tokens, padded, attn = [], 0, 0, 0.0
     for step in range(args.warmup + args.steps):
         trajs, lengths = workload(kind, args, m["vocab_size"], seed=step)
-        mbs = micro_batches_by_budget(trajs, args.mb_tokens, BatchLayout(packed=layout == "packed"))
+        mbs = micro_batches_by_budget(trajs, args.mb_tokens, BatchLayout(packed=layout == "packed", pad_to_multiple_of=int(pad)))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def run_config(args, kind: str, layout: str, recompute: str) -> dict:
         assert math.isfinite(result.loss), result
     secs = sum(times)
     flops = 6 * matmul_params(m) * tokens + 6 * m["num_layers"] * m["hidden_size"] * attn
-    out = {"workload": kind, "layout": layout, "recompute": recompute, "step_s_median": round(statistics.median(times), 4),
+    out = {"workload": kind, "layout": layout, "recompute": recompute, "pad_to_multiple_of": int(pad), "step_s_median": round(statistics.median(times), 4),
            "tokens_per_s": round(tokens / secs, 1), "padding_share": round(1 - tokens / padded, 4),
            "micro_batches_per_step": len(mbs), "tflops": round(flops / secs / 1e12, 2),
            "mfu": round(flops / secs / 1e12 / args.peak_tflops, 4) if cuda else None,
@@ -143,7 +145,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4, help="token budgets per step")
     parser.add_argument("--seq-len", type=int, default=2048, help="row length of the uniform workload")
     parser.add_argument("--configs", default="uniform:packed:none,varied:padded:none,varied:packed:none,"
-                        "varied:packed:selective,varied:packed:full", help="WORKLOAD:LAYOUT:RECOMPUTE,...")
+                        "varied:packed:selective,varied:packed:full", help="WORKLOAD:LAYOUT:RECOMPUTE[:PAD_TO_MULTIPLE_OF],...")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak")
@@ -170,20 +172,21 @@ def main() -> None:
         return
     rows = []
     for config in args.configs.split(","):
-        kind, layout, recompute = config.split(":")
+        kind, layout, recompute, *pad = config.split(":")
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, *sys.argv, "--one", config], capture_output=True, text=True)
         found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         rows.append(json.loads(found[0]) if found and proc.returncode == 0 else
-                    {"workload": kind, "layout": layout, "recompute": recompute, "error": _last_error(proc.stderr)})
+                    {"workload": kind, "layout": layout, "recompute": recompute,
+                     "pad_to_multiple_of": int(pad[0]) if pad else 1, "error": _last_error(proc.stderr)})
         print(f"{rows[-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{'workload':9} {'layout':7} {'recompute':10} {'step s':>7} {'tok/s':>9} {'pad':>5} {'TFLOP/s':>8} "
+    print(f"{'workload':9} {'layout':7} {'recompute':10} {'to':>3} {'step s':>7} {'tok/s':>9} {'pad':>5} {'TFLOP/s':>8} "
           f"{'MFU':>6} {'peak GB':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:9} {r['layout']:7} {r['recompute']:10} {r['error']}")
             continue
-        print(f"{r['workload']:9} {r['layout']:7} {r['recompute']:10} {r['step_s_median']:>7} {r['tokens_per_s']:>9} "
+        print(f"{r['workload']:9} {r['layout']:7} {r['recompute']:10} {r['pad_to_multiple_of']:>3} {r['step_s_median']:>7} {r['tokens_per_s']:>9} "
               f"{r['padding_share']:>5} {r['tflops']:>8} {str(r['mfu']):>6} {str(r['peak_memory_gb']):>8}")
     machine = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                "torch": torch.__version__, "transformer_engine": te}

@@ -99,7 +99,7 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        longest = max(self.lengths)
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=longest, max_seqlen_kv=longest)
 
@@ -130,7 +130,8 @@ class BatchLayout:
 
     packed: bool = True
     pad_to_multiple_of: int = 1
-    """Padded layout only: round each micro-batch's padded length up to this."""
+    """Round each micro-batch's computed length up to this: the padded rows' length, or the
+    packed row's (a masked filler segment at its end)."""
 
     @classmethod
     def of(cls, trainer_cfg) -> "BatchLayout":
@@ -138,12 +139,14 @@ class BatchLayout:
         return cls(trainer_cfg.packing, trainer_cfg.pad_to_multiple_of)
 
     def micro_batch(self, trajectories: list[TrajectoryTensors]) -> MicroBatch:
-        return pack(trajectories) if self.packed else collate(trajectories, self.pad_to_multiple_of)
+        if self.packed:
+            return pack(trajectories, self.pad_to_multiple_of)
+        return collate(trajectories, self.pad_to_multiple_of)
 
     def cost_tokens(self, lengths: list[int]) -> int:
         """Tokens the model computes for a micro-batch of these lengths (padding included)."""
         if self.packed:
-            return sum(lengths)
+            return -(-sum(lengths) // self.pad_to_multiple_of) * self.pad_to_multiple_of
         longest = -(-max(lengths) // self.pad_to_multiple_of) * self.pad_to_multiple_of
         return longest * len(lengths)
 
@@ -192,30 +195,39 @@ def _collate_images(mb: MicroBatch, trajectories: list[TrajectoryTensors], seq_l
         mb.image_grid_thw = torch.cat([t.image_grid_thw for t in with_images])
 
 
-def pack(trajectories: list[TrajectoryTensors]) -> MicroBatch:
-    """Trajectories end to end in one row, no padding."""
+def pack(trajectories: list[TrajectoryTensors], pad_to_multiple_of: int = 1) -> MicroBatch:
+    """Trajectories end to end in one row. With `pad_to_multiple_of` > 1 a filler segment (pad
+    id 0, loss mask 0, attending only to itself) rounds the row up to a multiple: GPU matmuls
+    whose token dimension is a multiple of 8 (64 for the best kernels) run markedly faster."""
     if not trajectories:
         raise ValueError("cannot pack an empty list of trajectories")
     lengths = [len(t) for t in trajectories]
     if min(lengths) == 0:
         raise ValueError("cannot pack an empty trajectory")
+    filler = -sum(lengths) % pad_to_multiple_of
+    if filler:
+        zeros = torch.zeros(filler)
+        trajectories = [*trajectories, TrajectoryTensors(torch.zeros(filler, dtype=torch.long), zeros, zeros, 0.0,
+                                                         ref_logprobs=zeros if trajectories[0].ref_logprobs is not None
+                                                         else None)]
     cat = lambda tensors: torch.cat([t.reshape(-1) for t in tensors])[None]  # noqa: E731  # [1, T]
     token_ids = cat([t.token_ids for t in trajectories]).long()
     loss_mask = cat([t.loss_mask for t in trajectories]).float()
     old_logprobs = cat([t.old_logprobs for t in trajectories]).float()
     has_ref = all(t.ref_logprobs is not None for t in trajectories)
     ref_logprobs = cat([t.ref_logprobs for t in trajectories]).float() if has_ref else None
-    advantages = cat([torch.full((n,), float(t.advantage)) for t, n in zip(trajectories, lengths)])
-    position_ids = cat([torch.arange(n) for n in lengths])  # each trajectory from 0
-    cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [S + 1]
+    segments = lengths + ([filler] if filler else [])
+    advantages = cat([torch.full((n,), float(t.advantage)) for t, n in zip(trajectories, segments)])
+    position_ids = cat([torch.arange(n) for n in segments])  # each trajectory from 0
+    cu_seqlens = torch.tensor([0] + segments, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # [S + 1]
     mb = MicroBatch(token_ids, position_ids, loss_mask, old_logprobs, advantages, ref_logprobs, lengths,
                     cu_seqlens=cu_seqlens)
     if any(t.position_ids is not None for t in trajectories):
         own = [t.position_ids if t.position_ids is not None else torch.arange(n)[None].expand(3, n)
-               for t, n in zip(trajectories, lengths)]
+               for t, n in zip(trajectories, segments)]
         mb.position_ids = torch.cat(own, dim=1)[:, None]  # [3, 1, T]
         mb.image_mask = torch.cat([t.image_mask if t.image_mask is not None else torch.zeros(n, dtype=torch.bool)
-                                   for t, n in zip(trajectories, lengths)])[None]  # [1, T]
+                                   for t, n in zip(trajectories, segments)])[None]  # [1, T]
         with_images = [t for t in trajectories if t.pixel_values is not None]
         if with_images:
             mb.pixel_values = torch.cat([t.pixel_values for t in with_images])

@@ -35,6 +35,16 @@ def test_pack_lays_trajectories_end_to_end():
     assert "packed_seq_params" in mb.model_inputs()
 
 
+def test_pack_rounds_up_with_a_masked_filler_segment():
+    plain, padded = pack([_traj(3), _traj(6)]), pack([_traj(3), _traj(6)], pad_to_multiple_of=8)
+    assert padded.token_ids.shape == (1, 16) and padded.cu_seqlens.tolist() == [0, 3, 9, 16]
+    assert padded.lengths == [3, 6] and padded.num_loss_tokens == plain.num_loss_tokens
+    assert padded.loss_mask[0, 9:].sum() == 0 and padded.advantages[0, 9:].abs().sum() == 0
+    assert padded.position_ids[0, 9:].tolist() == list(range(7))  # the filler attends only to itself
+    assert pack([_traj(8)], pad_to_multiple_of=8).token_ids.shape == (1, 8)  # already a multiple
+    assert BatchLayout(pad_to_multiple_of=8).cost_tokens([3, 6]) == 16
+
+
 def test_padded_batch_has_no_packing():
     mb = collate([_traj(3), _traj(5)])
     assert not mb.packed and mb.packed_seq_params() is None and mb.model_inputs() == {}
