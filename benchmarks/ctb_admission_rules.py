@@ -52,7 +52,7 @@ def main() -> None:
                 print(f"{workload:<9}{'on' if ers else 'off':<5}{rule:<25}{row['goodput']:>9.0f}"
                       f"{row['goodput_vs_default']:>11.3f}{row['wasted_share']:>8.3f}{row['rwt_rank_s']:>9.0f}"
                       f"{row['twt_rank_s']:>9.0f}", flush=True)
-    write("ctb_admission_rules", {**header("ctb_admission_rules"), "runs": runs})
+    write("ctb_admission_rules", {**header("ctb_admission_rules", config=vars(args)), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -462,8 +462,7 @@ def main() -> None:
         print(f"{label:24}{v[key]:>12.3f}{c[key]:>12.3f}{ratio:>14.2f}")
     print(f"CTB hit rate / ideal: {ratios['ctb_hit_vs_ideal']:.3f}  (paper: 1.58x hit rate, 1.15x throughput)")
     record = {
-        **bench_record.header("ctb_kv"),
-        "settings": vars(args),
+        **bench_record.header("ctb_kv", config=vars(args)),
         "engine_startup_s": startup_s,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": heads, "ffn": 4 * args.hidden,
                   "vocab": 3072},

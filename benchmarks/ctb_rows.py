@@ -112,7 +112,7 @@ def main() -> None:
     figures["max_running_requests"] = args.max_running_requests
     for key, value in figures.items():
         print(f"{key:48} {value}")
-    record = {**bench_record.header("ctb_rows"), "sglang": __import__("importlib.metadata").metadata.version("sglang"),
+    record = {**bench_record.header("ctb_rows", config=vars(args)), "sglang": __import__("importlib.metadata").metadata.version("sglang"),
               "figures": figures}
     if not args.no_write:
         bench_record.write("ctb_rows", record)

@@ -321,12 +321,8 @@ def main() -> int:
         print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}; goal {r['goal']}x)")
 
     record = {
-        **bench_record.header("e2e_goodput", device="cpu"),
-        "config": {"ranks": args.ranks, "steps": args.steps, "reps": args.reps, "groups_per_step": args.groups_per_step,
-                   "seed": args.seed, "env_latency": args.env_latency, "latency_overrides": LATENCY,
-                   "splits": sorted(only) or "all",
-                   "extra_overrides": args.overrides,
-                   "recipe": args.recipe},
+        **bench_record.header("e2e_goodput", device="cpu", config={
+            **vars(args), "splits": sorted(only) or "all", "latency_overrides": LATENCY}),
         "summary": summary,
         "ratios": ratios,
         "runs": runs,

@@ -215,7 +215,7 @@ def main() -> None:
                "torch": torch.__version__,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None}
     bench_record.write(args.out, {
-        **bench_record.header("gpu_weight_sync", **machine),
+        **bench_record.header("gpu_weight_sync", config=vars(args), **machine),
         "model": args.model, "bucket_mb": args.bucket_mb, "reps": args.reps, "results": rows,
         "notes": ["Two processes on one machine; on cuda both use GPU 0. Timed on the sender from its first "
                   "bucket to the receiver's last copy (a barrier or the last slot handed back), median of "

@@ -143,9 +143,8 @@ def main() -> None:
               f"{r['gloo_pairs']:>11}{r['rank_s_max']:>9.3f}{wall:>9.2f}")
     record = {
         "benchmark": "group_startup",
-        **bench_record.header("group_startup"),
+        **bench_record.header("group_startup", config=vars(args)),
         "host": {"cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__},
-        "config": vars(args),
         "results": rows,
         "notes": [
             "groups: unique groups of the layout (W single-rank, W/TP TP blocks, (W/TP-1)*TP DP, W/TP-1 "

@@ -12,15 +12,15 @@ time? Prints a short table and writes benchmarks/results/learning_tiny.json with
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import bench_record
 
 REPO = Path(__file__).resolve().parent.parent
 # A bigger batch, a high learning rate and short actions make the signal of a random-init model
@@ -79,10 +79,7 @@ def main() -> int:
             "tide_wall_over_sync": round(t["run_wall_s"] / s["run_wall_s"], 3),
         }
     record = {
-        "command": " ".join(["python", "benchmarks/learning_tiny.py", f"--modes {args.modes}", f"--steps {args.steps}",
-                             f"--window {args.window}", *args.overrides]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, CPU only",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **bench_record.header("learning_tiny", device="cpu", config={**vars(args), "defaults": DEFAULTS}),
         "window_steps": args.window,
         "settings": DEFAULTS,
         "results": results,

@@ -18,10 +18,8 @@ Prints a short table and writes benchmarks/results/learning_vl_tiny.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -29,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import bench_record
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "launch"))
@@ -154,11 +154,10 @@ def main() -> int:
     k = args.window
     first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
     result = {
-        "command": " ".join(["python", "benchmarks/learning_vl_tiny.py", f"--steps {args.steps}", f"--window {k}",
-                             f"--warm-start-steps {args.warm_start_steps}", *args.overrides]),
+        # the resolved config: the arguments and the job the training run composed
+        **bench_record.header("learning_vl_tiny", device="cpu", config={
+            **vars(args), "job": compose(["metrics.progress=false", *overrides])}),
         "launcher": " ".join(cmd[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, CPU only",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "warm_start": {"steps": args.warm_start_steps, "batch": args.warm_start_batch, "lr": args.warm_start_lr,
                        "wall_time_s": round(warm_s, 1),
                        "expert_action_logprob_per_token": [round(x, 4) for x in warm_curve]},

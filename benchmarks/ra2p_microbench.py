@@ -229,8 +229,8 @@ def main() -> None:
 
     record = {
         **bench_record.header("ra2p_microbench", torch=torch.__version__, device=args.device,
-                              gpu=torch.cuda.get_device_name() if args.device == "cuda" else None),
-        "config": {k: v for k, v in vars(args).items() if k != "tmp"},
+                              gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+                              config={k: v for k, v in vars(args).items() if k != "tmp"}),
         "model": dict(MODEL_SIZES[args.model_size],
                       params=_param_count(MODEL_SIZES[args.model_size])),
         "results": results,

@@ -155,10 +155,9 @@ def main() -> None:
         print(f"{row['transition']:<12}{row['critical_path_s_median']:>11.4f}  {parts}")
     record = {
         "benchmark": "role_transitions",
-        **bench_record.header("role_transitions"),
+        **bench_record.header("role_transitions", config=vars(args)),
         "host": {"cpu_count": os.cpu_count(), "load_avg_1_5_15": os.getloadavg(), "torch": torch.__version__,
                  "device": "cpu"},
-        "config": vars(args),
         "model": MODEL_SIZES[args.model_size],
         "sizes": {f"rank{r}": data["sizes"] for r, data in enumerate(ranks)},
         "results": rows,

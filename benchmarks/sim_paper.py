@@ -18,12 +18,11 @@ Every figure is what the model gives with the cited constants; nothing is tuned 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 from pathlib import Path
+
+import bench_record
 
 from tide_megatron.sim import run_simulation
 from tide_megatron.sim.loader import load_config
@@ -144,9 +143,7 @@ def main() -> None:
         print("[kv micro-benchmark] one H100, 1,312 WebShop tasks")
         figures["kv_microbenchmark"] = kv_microbenchmark()
     result = {
-        "command": " ".join(["python"] + sys.argv),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()} python {platform.python_version()}",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **bench_record.header("sim_paper", config={**vars(args), "setup": setup, "sim": load_config(setup, base)}),
         "wall_s": time.perf_counter() - t0,
         "paper": PAPER, "figures": figures, "runs": runs,
     }

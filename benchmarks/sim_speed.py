@@ -14,14 +14,13 @@ Writes benchmarks/results/sim_speed.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
+
+import bench_record
 
 from tide_megatron.core.ctb import CTBConfig, CTBScheduler, RolloutTask, TaskState
 from tide_megatron.sim import run_simulation
@@ -85,9 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-large", action="store_true")
     args = ap.parse_args()
-    out = {"command": " ".join(["python"] + sys.argv),
-           "machine": f"{platform.node()} {platform.processor() or platform.machine()} python {platform.python_version()}",
-           "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    out = bench_record.header("sim_speed", config=vars(args))
     out["ctb_decision"] = ctb_decision()
     print("ctb decision", out["ctb_decision"], flush=True)
     out["text_100_steps"] = [text_100_steps(m) for m in ("tide", "async_static")]

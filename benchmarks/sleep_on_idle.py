@@ -55,9 +55,8 @@ def main() -> int:
     if ratios:
         print(f"run goodput, on / off: {geomean(ratios):.3f}x (per repetition {[round(x, 3) for x in ratios]})")
     record = {
-        **bench_record.header("sleep_on_idle", device="cpu"),
-        "config": {"ranks": args.ranks, "split": split, "steps": args.steps, "reps": args.reps, "seed": args.seed,
-                   "latency_overrides": LATENCY},
+        **bench_record.header("sleep_on_idle", device="cpu", config={
+            **vars(args), "split": split, "variants": variants, "latency_overrides": LATENCY}),
         "summary": summary,
         "run_goodput_ratio_on_over_off": ratio_record(ratios),
         "runs": runs,

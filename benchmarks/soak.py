@@ -161,8 +161,7 @@ def main() -> int:
         "tail_of_output": output[-3000:] if proc.returncode else "",
     }
     record = {
-        **bench_record.header("soak", device="cpu"),
-        "config": {**vars(args), "launcher": " ".join(cmd[1:])},
+        **bench_record.header("soak", device="cpu", config={**vars(args), "launcher": " ".join(cmd[1:])}),
         "result": result,
     }
     bench_record.write(args.out, record)

@@ -60,9 +60,8 @@ def main() -> int:
         print(f"run goodput, hand over / start afresh: {geomean(ratios):.3f}x (per repetition "
               f"{[round(x, 3) for x in ratios]})")
     record = {
-        **bench_record.header("task_handover", device="cpu"),
-        "config": {"ranks": args.ranks, "split": split, "steps": args.steps, "reps": args.reps, "seed": args.seed,
-                   "drill": drill, "latency_overrides": LATENCY},
+        **bench_record.header("task_handover", device="cpu", config={
+            **vars(args), "split": split, "drill": drill, "variants": variants, "latency_overrides": LATENCY}),
         "summary": summary,
         "run_goodput_ratio_hand_over_over_afresh": ratio_record(ratios),
         "runs": runs,

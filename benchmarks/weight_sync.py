@@ -226,7 +226,7 @@ def main() -> int:
     args = parser.parse_args()
     args.engines = [int(e) for e in args.engines.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    record = bench_record.header("weight_sync")
+    record = bench_record.header("weight_sync", config=vars(args))
     rows, raw = [], {}
     for name in args.models.split(","):
         raw[name] = run_model(name, args)
