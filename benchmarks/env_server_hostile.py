@@ -1,10 +1,11 @@
-"""The env server under the hostile probes of issue 13, with a polite client pinging throughout.
+"""The env server under the hostile probes of issues 13 and 39, with a polite client pinging throughout.
 
 Each probe runs alone against a fresh `EnvServerProcess` (door_game, 10,000 train tasks,
 default `EnvServerLimits` except shorter read/idle timeouts so the run stays short), while a
 polite client pings every 50 ms (5 s timeout). Per probe it reports what the probe saw, the
 polite pings (answered, timed out, p50/max latency), the server's RSS before and at peak, its
-open descriptors and how many bytes it logged.
+open descriptors and how many bytes it logged. Issue 39 added `malformed_task_ids` (every one
+must be BadRequest naming task_id) and `connect_burst_x500` (resets must be 0).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/env_server_hostile.py          # about a minute
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/env_server_hostile.py --no-write
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from tide_megatron.envs import (  # noqa: E402
     EnvClient, EnvClientConfig, EnvConfig, EnvServerConfig, EnvServerLimits, EnvServerProcess, EnvServerProcessConfig,
 )
 from tide_megatron.envs.config import DoorGameConfig, config_to_dict  # noqa: E402
+
+import bench_record  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "env_server_hostile.json")
 LIMITS = EnvServerLimits(read_timeout_s=5.0, idle_timeout_s=10.0)
@@ -164,6 +165,60 @@ async def huge_action(port: int, proc) -> dict:
     return {"reply": json.loads(reply)["error"]["type"], "connection_usable_after": after["ok"]}
 
 
+async def malformed_task_ids(port: int, proc) -> dict:
+    """Issue 39: task ids Python's int() chokes on must be BadRequest naming `task_id`."""
+    conn = await open_raw(port)
+    ids = {"5000_digits": "train/" + "1" * 5000, "superscript_two": "train/\u00b2", "arabic_indic_one": "train/\u0661",
+           "bare_5000_digits": "1" * 5000}
+    seen: dict = {"bad_request_naming_task_id": 0, "other": {}}
+    for i, (name, task_id) in enumerate(ids.items()):
+        reply = json.loads(await ask(conn, json.dumps({"id": i, "op": "reset", "args": {
+            "env": "door_game", "task_id": task_id, "trajectory_id": "t"}}).encode() + b"\n"))
+        err = reply.get("error") or {}
+        if err.get("type") == "BadRequest" and "'task_id'" in err.get("message", ""):
+            seen["bad_request_naming_task_id"] += 1
+        else:
+            seen["other"][name] = err.get("type", "ok")
+    seen["probes"] = len(ids)
+    conn[1].close()
+    return seen
+
+
+async def connect_burst(port: int, proc) -> dict:
+    """Issue 39: 500 clients connect at once, each sends a ping, then each reads its reply.
+    Past max_connections a client must read one ServerBusy line, never a connection reset."""
+    n = 500
+    t0 = time.monotonic()
+    conns = await asyncio.gather(*[open_raw(port) for _ in range(n)], return_exceptions=True)
+    connect_s = time.monotonic() - t0
+    for c in conns:
+        if not isinstance(c, BaseException):
+            c[1].write(b'{"id": 1, "op": "ping", "args": {}}\n')
+    await asyncio.sleep(0.5)  # refusals are done before most clients read: what used to expose resets
+    seen = {"clients": n, "ok": 0, "server_busy": 0, "resets": 0, "eof_without_reply": 0, "connect_failed": 0,
+            "other": 0}
+    for c in conns:
+        if isinstance(c, BaseException):
+            seen["connect_failed"] += 1
+            continue
+        try:
+            line = await asyncio.wait_for(c[0].readline(), 30)
+        except ConnectionResetError:
+            seen["resets"] += 1
+            continue
+        except (OSError, asyncio.TimeoutError):
+            seen["other"] += 1
+            continue
+        key = ("eof_without_reply" if not line else "server_busy" if b'"ServerBusy"' in line
+               else "ok" if b'"ok":true' in line else "other")
+        seen[key] += 1
+    for c in conns:
+        if not isinstance(c, BaseException):
+            c[1].close()
+    seen["connect_all_s"] = round(connect_s, 2)
+    return seen
+
+
 async def server_connections(port: int) -> int:
     """Connections the server holds besides the polite client's (which asks, so it always gets in)."""
     return (await POLITE[0].stats())["connections"] - 1
@@ -174,7 +229,8 @@ POLITE: list[EnvClient] = []
 
 PROBES = [("half_sent_x500", half_sent), ("idle_x5000", idle_crowd), ("15MB_lines_x40", big_lines),
           ("session_hog", session_hog), ("pipelined_tasks_x300", pipelined_tasks), ("all_tasks_x300", all_tasks_x300),
-          ("deep_nesting_and_5000_digits", deep_and_huge), ("15MB_action", huge_action)]
+          ("deep_nesting_and_5000_digits", deep_and_huge), ("15MB_action", huge_action),
+          ("malformed_task_ids", malformed_task_ids), ("connect_burst_x500", connect_burst)]
 
 
 async def polite(port: int, stop: asyncio.Event, latencies: list[float], timeouts: list[int]) -> None:
@@ -231,9 +287,7 @@ def main() -> None:
                   f"max {r['ping_max_ms']} ms  rss {r['rss_mb_before']}->{r['rss_mb_after']} MB  "
                   f"log {r['log_bytes']} B  {r['wall_s']} s\n{'':30s} {json.dumps(r['seen'])}", flush=True)
     if not args.no_write:
-        out = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-               "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        out = {**bench_record.header("env_server_hostile", config={**vars(args), "server": cfg}),
                "server_limits": config_to_dict(LIMITS), "rows": rows}
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:

@@ -68,8 +68,23 @@ class EnvServerLimits:
 
     max_connections: int = 256
     """Open connections at most (one per rollout rank and a few tools). A connection past the
-    cap gets one `ServerBusy` error line and is closed; the cap also keeps file descriptors
-    below the process limit (checked, and raised to the hard limit if need be, at start)."""
+    cap gets one `ServerBusy` error line and is closed cleanly (see `refusal_linger_s`); the cap
+    also keeps file descriptors below the process limit (checked, and raised to the hard limit
+    if need be, at start)."""
+
+    refusal_linger_s: float = 2.0
+    """After its `ServerBusy` line and end of stream, a refused connection stays open this
+    long at most, its client's bytes read and dropped, so that the client closes first. Closed
+    with its request unread, the kernel would send a reset, and a client that had not read the
+    line yet would see only `ConnectionResetError`. A client closes as soon as it reads the
+    line (well under a millisecond on loopback, a round trip elsewhere); 2 s covers a loaded
+    node."""
+
+    max_lingering_refusals: int = 1024
+    """Refused connections lingering (`refusal_linger_s`) at once, each holding a descriptor
+    (counted in the descriptor check at start). Past it a refused connection is closed at once,
+    still after its line and end of stream. 1024: a burst of several times `max_connections`
+    clients, for a few MB of kernel buffers at most."""
 
     max_sessions_per_connection: int = 256
     """Live sessions one connection may hold: 8x the largest recipe's tasks per rank, and a
@@ -126,6 +141,12 @@ class EnvServerConfig:
 
     port: int = 0
     """TCP port; 0 lets the OS pick a free one (the server reports it when ready)."""
+
+    accept_backlog: int = 1024
+    """Listen backlog: connections the kernel has completed but the server not yet accepted.
+    asyncio's default of 100 overflows when hundreds of rollout ranks connect at once; the
+    overflow waits seconds for SYN retransmits (or is reset where net.ipv4.tcp_abort_on_overflow
+    is 1). The kernel caps it at net.core.somaxconn (4096 on Linux 5.4 and later)."""
 
     auth_token: str = ""
     """Shared secret a client must present (`hello`) before any other call; empty: none, or

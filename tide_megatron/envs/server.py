@@ -17,9 +17,12 @@ Security and limits (all in `EnvServerConfig` / `EnvServerLimits`, per connectio
 `server_connection.py`):
 - loopback by default; binding any other address requires a shared token (`auth_token` or
   the TIDE_ENV_TOKEN variable), which every connection must present in `hello` first;
-- caps on connections (past it: one `ServerBusy` line, then close; the process's file
-  descriptor limit is checked and raised at start), on sessions (server-wide and per
-  connection), on message sizes, nesting and numbers; read, idle and write timeouts;
+- caps on connections (past it: one `ServerBusy` line and a clean close, never a reset: see
+  `_refuse_busy`; the listen backlog is `accept_backlog`; the process's file descriptor limit
+  is checked and raised at start), on sessions (server-wide and per connection), on message
+  sizes, nesting and numbers; read, idle and write timeouts;
+- malformed arguments (a task id of 5,000 digits, an index written "²") are `BadRequest`
+  naming the argument, never an `EnvFailure`;
 - sessions belong to the connection that opened them, under unguessable ids: no other
   connection can step, close or read the images of one; they close when it drops (a crashed
   rollout rank leaks nothing), or after `session_idle_timeout_s` without a call;
@@ -60,6 +63,7 @@ from tide_megatron.envs.image_store import ImageStore
 from tide_megatron.envs.images import ImageError, validate_image
 from tide_megatron.envs.protocol import Env, ResetResult, StepResult
 from tide_megatron.envs.registry import build_env
+from tide_megatron.envs.task_ids import MalformedTaskId
 from tide_megatron.envs.server_connection import CallError, Connection, RateLimitedLog
 from tide_megatron.envs.wire import PROTOCOL_VERSION, SERVER_NAME, Request, Response, encode_response, non_finite_path
 
@@ -71,6 +75,7 @@ READY_PREFIX = "TIDE_ENV_SERVER_READY "
 INLINE_ACTION_CHARS = 4096
 """Steps with a longer action run on a worker thread even for a non-blocking env."""
 _FD_RESERVE = 256  # descriptors kept for sessions' files, the image store, logs, the executor
+_REFUSAL_DRAIN_BYTES = 1024 * 1024  # most bytes read (and dropped) from a refused connection
 
 
 @dataclass
@@ -115,6 +120,8 @@ class EnvServer:
                              f"{TOKEN_ENV_VAR} environment variable) on the server and its clients, or bind loopback")
         if self.token and len(self.token) < 16:
             raise ValueError("auth_token must be at least 16 characters (e.g. secrets.token_urlsafe(24))")
+        if cfg.accept_backlog < 1:
+            raise ValueError(f"accept_backlog must be at least 1, got {cfg.accept_backlog}")
         for module in cfg.plugins:
             importlib.import_module(module)
         keys = [e.key for e in cfg.envs]
@@ -138,6 +145,8 @@ class EnvServer:
         self._reaper: asyncio.Task | None = None
         self._previous_handler = None
         self._max_connections = cfg.limits.max_connections
+        self._max_lingering = cfg.limits.max_lingering_refusals
+        self._lingering = 0  # refused connections now waiting for their client to close
         self._started = time.monotonic()
         self.host = cfg.host
         self.port = cfg.port
@@ -145,12 +154,17 @@ class EnvServer:
     # Lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> tuple[str, int]:
-        self._max_connections = _fit_descriptor_limit(self.cfg.limits.max_connections)
+        self._max_connections, self._max_lingering = _fit_descriptor_limit(
+            self.cfg.limits.max_connections, self.cfg.limits.max_lingering_refusals)
         loop = asyncio.get_running_loop()
         self._previous_handler = loop.get_exception_handler()
         loop.set_exception_handler(self._loop_exception)
         self._images = ImageStore(self.cfg.image_store_dir, self.cfg.images_kept_per_session)
-        self._server = await asyncio.start_server(self._accept, self.cfg.host, self.cfg.port)
+        # The backlog holds connections the kernel completed but the loop has not accepted yet;
+        # asyncio's default (100) overflows in a burst of clients, which then wait seconds for
+        # SYN retransmits (or are reset, with net.ipv4.tcp_abort_on_overflow=1).
+        self._server = await asyncio.start_server(self._accept, self.cfg.host, self.cfg.port,
+                                                  backlog=self.cfg.accept_backlog)
         self.host, self.port = self._server.sockets[0].getsockname()[:2]
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
         logger.info("env server on %s:%d serving %s%s", self.host, self.port, sorted(self._env_cfgs),
@@ -191,22 +205,45 @@ class EnvServer:
     # Connections ---------------------------------------------------------------------------
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._connections) >= self._max_connections:
-            self.counts["refused_connections"] += 1
-            self.log.warning("refused", f"env server: refusing a connection: {len(self._connections)} open "
-                                        f"(max_connections={self._max_connections})")
-            writer.write(encode_response(Response(-1, False, error_type="ServerBusy", error_message=(
-                f"too many connections ({self._max_connections} open); try again later"))))
-            writer.close()
-            return
-        conn = Connection(self, reader, writer, next(self._connection_ids))
-        self._connections[conn.id] = conn
         task = asyncio.current_task()
         self._handlers.add(task)
         try:
+            if len(self._connections) >= self._max_connections:
+                await self._refuse_busy(reader, writer)
+                return
+            conn = Connection(self, reader, writer, next(self._connection_ids))
+            self._connections[conn.id] = conn
             await conn.serve()
         finally:
             self._handlers.discard(task)
+
+    async def _refuse_busy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One `ServerBusy` line, then a close the client sees as the end of the stream.
+
+        Closing a socket whose client's request is still unread makes the kernel send RST
+        instead of FIN, and a client that had not read the line yet loses it to a
+        `ConnectionResetError` (217 of 500 clients of a burst did). So: the line, then FIN
+        (`write_eof`), then the client's bytes are read and dropped until it closes, for at
+        most `refusal_linger_s` and `_REFUSAL_DRAIN_BYTES`. At most `max_lingering_refusals`
+        wait at once (each holds a descriptor); past that the close is at once, still after
+        the FIN, so a client that sent nothing more still reads the line and an end of stream."""
+        self.counts["refused_connections"] += 1
+        self.log.warning("refused", f"env server: refusing a connection: {len(self._connections)} open "
+                                    f"(max_connections={self._max_connections})")
+        lingering = self._lingering < self._max_lingering
+        self._lingering += lingering
+        try:
+            writer.write(encode_response(Response(-1, False, error_type="ServerBusy", error_message=(
+                f"too many connections ({self._max_connections} open); try again later"))))
+            if writer.can_write_eof():
+                writer.write_eof()
+            if lingering:
+                await asyncio.wait_for(_drain_to_eof(reader), self.cfg.limits.refusal_linger_s)
+        except (OSError, asyncio.TimeoutError):
+            pass  # the client reset, or kept its side open too long: close anyway
+        finally:
+            self._lingering -= lingering
+            writer.close()
 
     async def connection_closed(self, conn: Connection) -> None:
         """Called by a connection as it ends: its sessions go with it."""
@@ -341,8 +378,15 @@ class EnvServer:
                                           f"(max_sessions_per_connection={self.cfg.limits.max_sessions_per_connection})")
         try:
             self._env(env_key).task(task_id)
+        except MalformedTaskId as e:
+            raise CallError("BadRequest", f"argument 'task_id': {e.args[0] if e.args else e}") from None
         except KeyError as e:
             raise CallError("UnknownTask", str(e.args[0] if e.args else e)) from None
+        except ValueError as e:
+            # `task` only looks the id up: a ValueError there (a plugin env's int() of a
+            # 5,000-digit or "²" index) is about the id the client sent, not an env failure.
+            raise CallError("BadRequest", f"argument 'task_id' {_clip(task_id)} is malformed for env {env_key!r}: "
+                                          f"{type(e).__name__}: {_clip(str(e), 200)}") from None
         env = build_env(cfg)
         session = Session(f"s-{secrets.token_urlsafe(18)}", env_key, task_id, trajectory_id, env, conn.id)
         conn.sessions.add(session.session_id)  # counted against the cap while the reset runs
@@ -489,16 +533,17 @@ class EnvServer:
                 await self._close_session(session)
 
 
-def _fit_descriptor_limit(max_connections: int) -> int:
-    """`max_connections`, or fewer when the process cannot have that many descriptors open
-    (the soft limit is raised towards the hard one first). Past the limit accept() fails in a
-    loop; refusing politely below it is the cure."""
+def _fit_descriptor_limit(max_connections: int, max_lingering: int = 0) -> tuple[int, int]:
+    """(`max_connections`, `max_lingering`), or fewer when the process cannot have that many
+    descriptors open (the soft limit is raised towards the hard one first; lingering refusals
+    give way before connections do). Past the limit accept() fails in a loop; refusing
+    politely below it is the cure."""
     try:
         import resource
     except ImportError:  # not POSIX
-        return max_connections
+        return max_connections, max_lingering
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max_connections + _FD_RESERVE
+    need = max_connections + max_lingering + _FD_RESERVE
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -507,11 +552,23 @@ def _fit_descriptor_limit(max_connections: int) -> int:
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < need:
-        fitted = max(1, soft - _FD_RESERVE)
-        logger.warning("file descriptor limit %d: serving at most %d connections instead of max_connections=%d",
-                       soft, fitted, max_connections)
-        return fitted
-    return max_connections
+        fitted = max(1, min(max_connections, soft - _FD_RESERVE))
+        lingering = max(0, min(max_lingering, soft - _FD_RESERVE - fitted))
+        logger.warning("file descriptor limit %d: serving at most %d connections (max_connections=%d) and "
+                       "%d lingering refusals (max_lingering_refusals=%d)", soft, fitted, max_connections,
+                       lingering, max_lingering)
+        return fitted, lingering
+    return max_connections, max_lingering
+
+
+async def _drain_to_eof(reader: asyncio.StreamReader) -> None:
+    """Read and drop what a refused client sends, until it closes or `_REFUSAL_DRAIN_BYTES`."""
+    total = 0
+    while total < _REFUSAL_DRAIN_BYTES:
+        chunk = await reader.read(64 * 1024)
+        if not chunk:
+            return
+        total += len(chunk)
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -529,6 +586,11 @@ def _arg(args: dict[str, Any], name: str, tp: type) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _clip(text: str, n: int = 64) -> str:
+    """`text` quoted for an error message, cut to `n` characters (it came from a client)."""
+    return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"
 
 
 async def serve(cfg: EnvServerConfig, ready: Callable[[str, int], None] | None = None, exit_with_parent: bool = False) -> None:
