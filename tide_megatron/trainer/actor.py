@@ -115,7 +115,8 @@ class MegatronActor:
         model.config.calculate_per_token_loss = True
         distributed = trainer_cfg.distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=trainer_cfg.overlap_grad_reduce,
+            use_distributed_optimizer=distributed)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                              pg_collection=groups)
         # Megatron aligns param groups with an all_gather_object over the default group (the

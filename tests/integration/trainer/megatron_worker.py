@@ -84,6 +84,11 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
     # same gradients on the same weights with each mode.
     plain_reports = actor.forward_backward(mbs)
     plain = _grads(actor)
+    if torch.distributed.get_world_size() > tp:  # DP > 1: the overlapped bucketed reduce changes no gradient
+        overlapped = MegatronActor(cfg, dataclasses.replace(tcfg, overlap_grad_reduce=True), hf_dir)
+        overlapped.forward_backward(mbs)
+        results["overlap_grad_diff"] = (_max_diff(plain, _grads(overlapped)), _max_abs(plain))
+        del overlapped
     # The same trajectories packed (one packed micro-batch per padded one): same loss, same
     # gradients, with and without recompute.
     packed = [packed_like(mb, trajectories) for mb in mbs]

@@ -84,6 +84,11 @@ def test_tp2_matches_tp1(tp1, tp2):
         assert s1["grad_norm"] == pytest.approx(s2["grad_norm"], rel=1e-4)
 
 
+def test_overlapped_grad_reduce_gives_the_same_gradients(dp2):
+    diff, scale = dp2["overlap_grad_diff"]
+    assert scale > 0 and diff <= 1e-6 * max(1.0, scale), (diff, scale)
+
+
 def test_dp2_on_identical_shards_matches_one_rank(tp1, dp2):
     """The step's gradient is the token mean over every DP rank: two ranks holding the same
     data take the one-rank step (DDP once also divided by the DP size: half the gradient)."""
