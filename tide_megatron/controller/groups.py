@@ -10,7 +10,8 @@ consumed within the bound; sync mode starts what the step asked for (and a repla
 each group given up, so a batch is never trained partially).
 
 A task handed over by a rank leaving rollout carries the tokens it generated there; they are
-booked with its end, whichever way it ends (`carry`, `take_carried`).
+booked with its end, whichever way it ends (`carry`, `take_carried`). Every booking here names
+its event for the ledger's per-account audit (`ledger_keys.py`).
 
 Owned by the rollout service's thread; the service routes each task end here unless the
 hand-over or the quarantine takes care of it.
@@ -24,6 +25,7 @@ import time
 from typing import Any, Optional
 
 from tide_megatron.comm.messages import TaskAssignment, TaskCancelled, TaskFailed, TrajectoryDone
+from tide_megatron.controller import ledger_keys
 from tide_megatron.controller.errors import RunError
 from tide_megatron.controller.eval_aggregator import EvalAggregator
 from tide_megatron.controller.health import RolloutHealth
@@ -55,8 +57,9 @@ class GroupBook:
         self._consecutive_failed = 0
         self._eval_groups: dict[str, int] = {}  # eval group -> the model version it evaluates
         self._unadmitted: set[str] = set()  # training groups started, none of their tasks on a rank yet
-        self._carried: dict[str, int] = {}
-        """Tokens of a handed-over task generated on the ranks it left: booked with its end."""
+        self._carried: dict[str, tuple[int, str]] = {}
+        """Tokens of a handed-over task generated on the ranks it left, booked with its end, and
+        the carry's name in the ledger (`ledger_keys.carry`) should they be booked without one."""
         placement.on_group_started = self._on_group_started
 
     # -- starting -----------------------------------------------------------------------------
@@ -125,7 +128,9 @@ class GroupBook:
         self._live.pop(gid, None)
         self.placement.forget_group(gid)
         for tid, _ in self.placement.take_dropped_carries():  # handed over, never started again
-            self.buffer.ledger.book_attempt(self._carried.pop(tid, 0), fate="cancelled")
+            tokens, key = self.take_carry(tid)
+            if key is not None:
+                self.buffer.ledger.book_attempt(tokens, fate="cancelled", key=key)
 
     def give_up(self, gid: str, *, failed: bool, reason: str, now: float) -> None:
         """Cancel a group's other members and end it in the buffer (failed or cancelled)."""
@@ -161,23 +166,25 @@ class GroupBook:
         self.placement.on_weight_sync()
 
     # -- task ends ----------------------------------------------------------------------------
-    def on_task_end(self, msg, carried: int, now: float) -> None:
+    def on_task_end(self, msg, carried: int, now: float, key: Optional[str] = None) -> None:
         """A task ended on the rank that owns it (a trajectory, a failure or a cancellation):
-        `carried` tokens of the ranks that handed it over before go with it."""
+        `carried` tokens of the ranks that handed it over before go with it. `key`: the end's
+        name in the ledger (`ledger_keys.task_end`; drawn here when not given)."""
+        key = key or ledger_keys.task_end(msg)
         if isinstance(msg, TrajectoryDone):
-            self._on_trajectory(msg, now)
+            self._on_trajectory(msg, now, key)
         elif isinstance(msg, TaskFailed):
-            self._on_failed(msg, carried, now)
+            self._on_failed(msg, carried, now, key)
         elif isinstance(msg, TaskCancelled):
-            self._on_cancelled(msg, carried, now)
+            self._on_cancelled(msg, carried, now, key)
 
-    def _on_trajectory(self, msg: TrajectoryDone, now: float) -> None:
+    def _on_trajectory(self, msg: TrajectoryDone, now: float, key: str) -> None:
         traj = msg.trajectory
         tid = traj.trajectory_id
         fresh = self.placement.finished(tid, msg.src, len(traj.token_ids))
         self.health.booked(msg.src, traj.generated_tokens - msg.carried_tokens, now)
         if not fresh or traj.group_id not in self._live:  # cancelled, or its group ended meanwhile
-            self.buffer.ledger.book_attempt(traj.generated_tokens, fate="cancelled")
+            self.buffer.ledger.book_attempt(traj.generated_tokens, fate="cancelled", key=key)
             return
         self._attempts.pop(tid, None)
         done = self.buffer.add_trajectory(traj, now, consumer_version=self.version)
@@ -189,20 +196,20 @@ class GroupBook:
             if done is not None and not done.is_eval:
                 self._consecutive_failed = 0
 
-    def _on_failed(self, msg: TaskFailed, carried: int, now: float) -> None:
+    def _on_failed(self, msg: TaskFailed, carried: int, now: float, key: str) -> None:
         a = msg.assignment
         tid = a.trajectory_id
         fresh = self.placement.failed(tid, msg.src, msg.error)
         self.health.booked(msg.src, msg.generated_tokens, now)
-        self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="failed")
+        self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="failed", key=key)
         self.counters["task_failures"] += 1
         if fresh and a.group_id in self._live:
             self.retry_or_give_up(a, msg.error, msg.src, now)
 
-    def _on_cancelled(self, msg: TaskCancelled, carried: int, now: float) -> None:
+    def _on_cancelled(self, msg: TaskCancelled, carried: int, now: float, key: str) -> None:
         self.placement.released(msg.task_id, msg.src)
         self.health.booked(msg.src, msg.generated_tokens, now)
-        self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="cancelled")
+        self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="cancelled", key=key)
 
     def retry_or_give_up(self, a: TaskAssignment, error: str, rank: int, now: float) -> bool:
         """A task attempt failed on `rank`: run it again (True), or give its group up."""
@@ -252,8 +259,13 @@ class GroupBook:
 
     def carry(self, tid: str, tokens: int) -> None:
         """Task `tid` was handed over holding `tokens` generated on the ranks it left."""
-        self._carried[tid] = tokens
+        self._carried[tid] = (tokens, ledger_keys.carry(tid))
 
     def take_carried(self, tid: str) -> int:
         """The tokens task `tid` carries from ranks it left (0: none), to book with its end."""
-        return self._carried.pop(tid, 0)
+        return self.take_carry(tid)[0]
+
+    def take_carry(self, tid: str) -> tuple[int, Optional[str]]:
+        """The tokens task `tid` carries and the carry's name in the ledger, to book them
+        without a task end ((0, None): it carries none)."""
+        return self._carried.pop(tid, (0, None))

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 from tide_megatron.comm.messages import TaskCancelled, TaskCarried
+from tide_megatron.controller import ledger_keys
 from tide_megatron.controller.errors import RunError
 from tide_megatron.controller.groups import GroupBook
 from tide_megatron.controller.health import RolloutHealth
@@ -52,7 +54,9 @@ class Handover:
         task_ids, written_off = self.quarantine.take_out(rank, reason, now)
         retried = 0
         for tid in task_ids:  # like the tasks of a dead engine: each attempt failed there
-            self.buffer.ledger.book_attempt(self.groups.take_carried(tid), fate="failed")  # (on earlier ranks)
+            carried, key = self.groups.take_carry(tid)  # (the tokens it generated on earlier ranks)
+            if key is not None:
+                self.buffer.ledger.book_attempt(carried, fate="failed", key=key)
             retried += self.groups.fail_with_rank(tid, rank, now)
         logger.warning("quarantined rollout rank %d: %s; %d task(s) taken back (%d retried on other ranks, "
                        "%d tokens booked as failed)", rank, reason, len(task_ids), retried, written_off)
@@ -102,20 +106,22 @@ class Handover:
         del self._handing_over[task_id]
         return True
 
-    def on_answer(self, msg, carried: int, now: float) -> bool:
+    def on_answer(self, msg, carried: int, now: float, key: Optional[str] = None) -> bool:
         """Book the leaving rank's answer for a task (after `answers`); False when it is a plain
-        end of the task (it finished or failed before it could be handed over)."""
+        end of the task (it finished or failed before it could be handed over). `key`: the
+        end's name in the ledger (`ledger_keys.task_end`; drawn here when not given)."""
+        key = key or ledger_keys.task_end(msg)
         if isinstance(msg, TaskCarried):
-            self._on_carried(msg, carried, now)
+            self._on_carried(msg, carried, now, key)
             return True
         if isinstance(msg, TaskCancelled):  # it had not begun: it starts afresh elsewhere
             self.health.booked(msg.src, msg.generated_tokens, now)
-            self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="cancelled")
+            self.buffer.ledger.book_attempt(msg.generated_tokens + carried, fate="cancelled", key=key)
             self.placement.not_carried(msg.task_id)
             return True
         return False
 
-    def _on_carried(self, msg: TaskCarried, carried: int, now: float) -> None:
+    def _on_carried(self, msg: TaskCarried, carried: int, now: float, key: str) -> None:
         """A rank leaving rollout handed a task over: it goes on where CTB resumes it."""
         self.health.booked(msg.src, msg.generated_tokens, now)
         total = msg.generated_tokens + carried
@@ -124,4 +130,4 @@ class Handover:
             self.counters["tasks_carried"] += 1
             self.counters["carried_tokens"] += total
         else:  # its group ended meanwhile
-            self.buffer.ledger.book_attempt(total, fate="cancelled")
+            self.buffer.ledger.book_attempt(total, fate="cancelled", key=key)

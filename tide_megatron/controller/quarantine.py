@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from tide_megatron.comm.messages import (AllCancelled, CancelAll, TaskCancelled, TaskCarried, TaskFailed, TaskReleased,
                                          TrajectoryDone, TurnEvent, WeightsLoaded)
+from tide_megatron.controller import ledger_keys
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,9 @@ class Quarantine:
         rank, alive, answers for every task itself."""
         task_ids = self.placement.hand_off_rank(rank) if hand_over else self.placement.drop_rank(rank)
         written_off = self.health.quarantine(rank, now, write_off=not hand_over)
-        self.ledger.book_attempt(written_off, fate="failed" if kind == "quarantine" else "cancelled")
         epoch = self.put_out(rank, reason, now, len(task_ids), kind)
+        self.ledger.book_attempt(written_off, fate="failed" if kind == "quarantine" else "cancelled",
+                                 key=ledger_keys.write_off(rank, epoch, kind))
         self.mailbox.post(rank, CancelAll(epoch, reason, carry=hand_over))
         return task_ids, written_off
 
@@ -140,8 +142,9 @@ class Quarantine:
         the trainer)."""
         return [r for r in self.ranks if r not in self.out or self.out[r].kind != "trainer"]
 
-    def handles(self, msg, now: float) -> bool:
-        """Steps 2 and 4, and weight confirmations: True when `msg` was taken care of here."""
+    def handles(self, msg, now: float, key: Optional[str] = None) -> bool:
+        """Steps 2 and 4, and weight confirmations: True when `msg` was taken care of here.
+        `key`: a task end's name in the ledger (`ledger_keys.task_end`; drawn here when not given)."""
         if isinstance(msg, WeightsLoaded):
             kind = self.out[msg.src].kind if msg.src in self.out else None
             if self.loaded(msg.src, msg.version):
@@ -166,7 +169,8 @@ class Quarantine:
         tokens = msg.trajectory.generated_tokens - msg.carried_tokens if isinstance(msg, TrajectoryDone) else \
             getattr(msg, "generated_tokens", 0)
         if tokens:
-            self.ledger.book_attempt(self.health.late(msg.src, tokens, now), fate="cancelled")
+            self.ledger.book_attempt(self.health.late(msg.src, tokens, now), fate="cancelled",
+                                     key=key or ledger_keys.task_end(msg))
         return True
 
     def send_weights(self, weights, now: float) -> list[int]:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import (EngineFacts, Heartbeat, RankReady, TaskCancelled, TaskCarried, TaskFailed,
                                          TaskReleased, TrajectoryDone, TurnEvent)
+from tide_megatron.controller import ledger_keys
 from tide_megatron.controller.call_queue import CallQueue
 from tide_megatron.controller.errors import RunError
 from tide_megatron.controller.eval_aggregator import EvalAggregator
@@ -52,7 +53,7 @@ from tide_megatron.controller.modes import ModePolicy
 from tide_megatron.controller.quarantine import Quarantine
 from tide_megatron.controller.rollout_meter import RolloutMeter
 from tide_megatron.controller.step_intake import StepIntake
-from tide_megatron.core.buffer import CompletedGroup, GlobalBuffer
+from tide_megatron.core.buffer import CompletedGroup, GlobalBuffer, LedgerError
 
 logger = logging.getLogger(__name__)
 
@@ -223,15 +224,17 @@ class RolloutService(threading.Thread):
         late report of an older attempt elsewhere from booking them."""
         tid = _task_id(msg)
         carried = self.groups.take_carried(tid) if msg.carried_tokens else 0
+        key = ledger_keys.task_end(msg)  # this end's one name in the ledger, whichever part books it
         if self.handover.answers(tid, msg.src):  # the rank leaving rollout answers for it
-            if self.handover.on_answer(msg, carried, now):
+            if self.handover.on_answer(msg, carried, now, key):
                 return
-        elif self.quarantine.handles(msg, now):  # a task the rank no longer owns
-            self.buffer.ledger.book_attempt(carried, fate="cancelled")
+        elif self.quarantine.handles(msg, now, key):  # a task the rank no longer owns
+            if carried:  # (the end's own tokens are booked as late)
+                self.buffer.ledger.book_attempt(carried, fate="cancelled", key=ledger_keys.carried_part(key))
             return
         if isinstance(msg, TaskCarried):
             raise RunError(f"rank {msg.src} handed over task {tid}, which it was not asked to")
-        self.groups.on_task_end(msg, carried, now)
+        self.groups.on_task_end(msg, carried, now, key)
 
     def _reconcile(self) -> None:
         """Book tokens the ranks generated that never reached the buffer as lost."""
@@ -239,7 +242,7 @@ class RolloutService(threading.Thread):
         booked_here = self.buffer.ledger.lost - self.lost_before
         if unbooked > booked_here:
             logger.error("%d generated tokens were never booked (a task or message vanished)", unbooked - booked_here)
-            self.buffer.ledger.lose(unbooked - booked_here)
+            self.buffer.ledger.lose(unbooked - booked_here, key=ledger_keys.lost())
 
     # ------------------------------------------------------------------ groups and weights
     def request_groups(self, n: int) -> None:
@@ -313,8 +316,14 @@ class RolloutService(threading.Thread):
     def close_step(self):
         """The step's update is done. Admission stays as the step left it until `set_version`:
         a group started now would be stamped with the old version though the new weights
-        reach the ranks before its tasks do."""
-        return self.step.close()
+        reach the ranks before its tasks do.
+
+        The token ledger is checked here, per account (`GlobalBuffer.end_step`): a broken
+        ledger means tokens were lost or counted twice, so the run stops with what is wrong."""
+        try:
+            return self.step.close()
+        except LedgerError as exc:
+            raise RunError(f"the token ledger is broken at the end of the step: {exc}") from exc
 
     # ------------------------------------------------------------------ views
     def quarantine_counts(self) -> dict[str, int]:

@@ -207,8 +207,7 @@ def _restore_buffer(buffer: GlobalBuffer, state: RunState, version: int) -> None
     saved["in_flight"] = 0
     saved["ready"] -= ready
     saved["generated"] -= ready
-    for key, value in saved.items():
-        setattr(buffer.ledger, key, value)
+    buffer.ledger.restore(saved)  # closed tokens only: the ledger's accounts start afresh
     now = time.monotonic()
     for group in state.ready_groups:
         trajs = [Trajectory.from_json(t) for t in group["trajectories"]]

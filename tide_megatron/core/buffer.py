@@ -17,7 +17,10 @@ Paper rules implemented here:
   reservoir behind, stretching the step so rollout can refill.
 - Goodput accounting. Every generated token is in exactly one bucket of `TokenLedger`
   (in flight, ready, consumed, dropped as stale, lost, evaluation) and every group that
-  completed is either ready or has a `GroupRecord` saying what happened to it.
+  completed is either ready or has a `GroupRecord` saying what happened to it. The buckets
+  alone add up by construction; the buffer's ledger is also kept per id (`TokenAudit`: each
+  trajectory attempt is an account, every move names it) and checked at each step's end
+  (`end_step`), so a token booked twice, moved twice or never arriving stops the run.
 
 The buffer also owns the `ReadinessMeter` (RAS / TPRM / HoL measurement) because it is the one
 place that sees every completion with its time stamp.
@@ -28,9 +31,9 @@ from __future__ import annotations
 import enum
 import math
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Mapping, Optional
 
 from tide_megatron.core.signals import (
     ReadinessEstimate,
@@ -42,7 +45,7 @@ from tide_megatron.core.signals import (
 from tide_megatron.core.trajectory import Segment, Trajectory, is_fresh
 
 __all__ = ["BufferConfig", "CompletedGroup", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
-           "Segment", "TokenLedger", "TrainingBatch", "Trajectory", "group_advantages"]
+           "Segment", "TokenAudit", "TokenLedger", "TrainingBatch", "Trajectory", "group_advantages"]
 
 
 @dataclass
@@ -169,7 +172,172 @@ def group_advantages(rewards: list[float], eps: float) -> list[float]:
 
 
 class LedgerError(RuntimeError):
-    """A token movement would make a ledger bucket negative: a bookkeeping bug upstream."""
+    """Tokens booked or moved in a way that cannot be right (a bucket would go negative, an
+    account is booked twice, moved from a bucket it is not in, or lost): a bookkeeping bug
+    upstream. The message names the account where there is one."""
+
+
+OPEN_BUCKETS = ("in_flight", "ready")
+"""Buckets whose tokens can still move (an account there is held by someone: a pending or a ready group)."""
+CLOSED_BUCKETS = ("consumed", "dropped_stale", "cancelled", "failed", "lost", "evaluated")
+"""Buckets that are a token's last: an account here never moves again."""
+
+
+class _Account:
+    """One account of `TokenAudit`: the bucket its tokens are in, and how many."""
+
+    __slots__ = ("bucket", "tokens")
+
+    def __init__(self, bucket: str, tokens: int):
+        self.bucket, self.tokens = bucket, tokens
+
+
+@dataclass
+class TokenAudit:
+    """Every generated token by the id of the account it was booked to: a ledger check that can fail.
+
+    `TokenLedger`'s counters alone balance by construction (`generated` is their sum). With an
+    audit each booking names its account (a trajectory attempt; on the controller, the task end
+    or the write-off that books it) and each move names the account it moves, whole. A move of
+    an account that is in another bucket (moved twice: consumed twice, say), that was never
+    booked, or of a token count other than the account holds, and a second booking of an id,
+    raise `LedgerError` naming the account at once, before anything changes. `verify` (once per
+    step) recomputes every bucket from the accounts and compares it with the ledger's counters
+    and, given the accounts their holders still hold (`live`: the buffer's pending and ready
+    trajectories), names every open account nobody holds (tokens lost: never completed, consumed
+    or ended) and every held one that is not open here.
+
+    Cost: O(1) per booking or move, O(accounts) per `verify`. Memory stays bounded in long runs:
+    `verify` folds the accounts that can no longer move (`CLOSED_BUCKETS`) into per-bucket totals
+    of closed tokens, which later checks keep comparing with the counters; their ids are kept
+    `remember_steps` more steps, so a late second booking or move of one is still named (after
+    that it shows only as a count that is off, or not at all).
+    """
+
+    remember_steps: int = 2
+    """Steps for which the ids folded away by a `verify` are remembered (0: not at all)."""
+    accounts: dict[Hashable, _Account] = field(default_factory=dict)
+    """Account id -> its bucket and tokens: every open account, and the closed ones since the last `verify`."""
+    closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLOSED_BUCKETS, 0))
+    """Tokens of the accounts folded away by `verify`, per closed bucket."""
+    _recent: deque = field(init=False, repr=False)
+    """One dict per `verify` (newest last) of the ids it folded away -> their bucket."""
+
+    def __post_init__(self) -> None:
+        if self.remember_steps < 0:
+            raise ValueError("remember_steps must be >= 0")
+        self._recent = deque(maxlen=self.remember_steps)
+
+    # -- bookings and moves (each raises before it changes anything) -----------------------------
+    def produce(self, key: Hashable, n: int) -> None:
+        """`n` tokens into account `key`, in flight: a new account, or more of one in flight
+        (a trajectory reported live, then finished)."""
+        acc = self.accounts.get(key)
+        if acc is None:
+            self._require_unknown(key, "in_flight")
+            self.accounts[key] = _Account("in_flight", n)
+        elif acc.bucket == "in_flight":
+            acc.tokens += n
+        else:
+            raise LedgerError(f"token account {key!r} booked twice: {n} more tokens in flight, but it is "
+                              f"{acc.bucket} already")
+
+    def book(self, key: Hashable, bucket: str, n: int) -> None:
+        """A new account `key` of `n` tokens straight into `bucket` (an attempt that ended
+        without a trajectory, tokens found lost)."""
+        acc = self.accounts.get(key)
+        if acc is not None:
+            raise LedgerError(f"token account {key!r} booked twice: {n} tokens into {bucket}, but it is "
+                              f"{acc.bucket} already with {acc.tokens}")
+        self._require_unknown(key, bucket)
+        self.accounts[key] = _Account(bucket, n)
+
+    def move(self, key: Hashable, src: str, dst: str, n: int) -> None:
+        """Account `key`, all `n` of its tokens, from `src` to `dst`."""
+        acc = self.accounts.get(key)
+        if acc is None:
+            for folded in reversed(self._recent):
+                if key in folded:
+                    raise LedgerError(f"token account {key!r} moved from {src} to {dst}, but it was closed as "
+                                      f"{folded[key]} already" + (" (twice)" if folded[key] == dst else ""))
+            raise LedgerError(f"token account {key!r} moved from {src} to {dst}, but it was never booked "
+                              f"(or closed more than {self.remember_steps} steps ago)")
+        if acc.bucket != src:
+            twice = f" ({dst} twice)" if acc.bucket == dst else ""
+            raise LedgerError(f"token account {key!r} moved from {src} to {dst}, but it is {acc.bucket}{twice}")
+        if acc.tokens != n:
+            raise LedgerError(f"token account {key!r} holds {acc.tokens} tokens, but a move from {src} to {dst} "
+                              f"claims {n}")
+        acc.bucket = dst
+
+    def _require_unknown(self, key: Hashable, bucket: str) -> None:
+        for folded in reversed(self._recent):  # at most `remember_steps` dicts
+            if key in folded:
+                raise LedgerError(f"token account {key!r} booked twice: into {bucket}, but it was closed as "
+                                  f"{folded[key]} already")
+
+    # -- the step's check ---------------------------------------------------------------------
+    def problems(self, counts: Mapping[str, int],
+                 live: Optional[Mapping[Hashable, tuple[str, int]]] = None) -> list[str]:
+        """What is wrong (empty when nothing is), without changing anything. `counts`: the
+        ledger's counters (every bucket and `generated`); `live`: account id -> (bucket, tokens)
+        for every account its holder still holds in an open bucket (None: not checked)."""
+        out = []
+        totals = dict.fromkeys(TokenLedger.BUCKETS, 0)
+        totals.update(self.closed)
+        for key, acc in self.accounts.items():
+            totals[acc.bucket] += acc.tokens
+            if live is None or acc.bucket not in OPEN_BUCKETS:
+                continue
+            held = live.get(key)
+            if held is None:
+                out.append(f"token account {key!r} holds {acc.tokens} {acc.bucket} tokens that nothing holds "
+                           f"(lost: never completed, consumed or ended)")
+            elif held != (acc.bucket, acc.tokens):
+                out.append(f"token account {key!r} is {acc.bucket} with {acc.tokens} tokens, but its holder has "
+                           f"it {held[0]} with {held[1]}")
+        for key, (bucket, n) in (live or {}).items():
+            acc = self.accounts.get(key)
+            if acc is None or acc.bucket not in OPEN_BUCKETS:
+                out.append(f"token account {key!r} is held as {bucket} with {n} tokens, but it is "
+                           f"{'never booked' if acc is None else acc.bucket}")
+        for b in TokenLedger.BUCKETS:
+            if totals[b] != counts[b]:
+                out.append(f"ledger.{b} counts {counts[b]} tokens, its accounts hold {totals[b]}")
+        if counts["generated"] != sum(totals.values()):
+            out.append(f"ledger.generated counts {counts['generated']} tokens, the accounts hold "
+                       f"{sum(totals.values())}")
+        return out
+
+    def verify(self, counts: Mapping[str, int],
+               live: Optional[Mapping[Hashable, tuple[str, int]]] = None) -> None:
+        """Raise `LedgerError` with the first problem (`problems`); else fold the closed accounts
+        away (class docstring). Once per step."""
+        found = self.problems(counts, live)
+        if found:
+            more = f" (and {len(found) - 1} more problem(s))" if len(found) > 1 else ""
+            raise LedgerError(found[0] + more)
+        folded: dict[Hashable, str] = {}
+        still_open: dict[Hashable, _Account] = {}
+        for key, acc in self.accounts.items():
+            if acc.bucket in OPEN_BUCKETS:
+                still_open[key] = acc
+            else:
+                self.closed[acc.bucket] += acc.tokens
+                folded[key] = acc.bucket
+        self.accounts = still_open
+        if self.remember_steps:
+            self._recent.append(folded)
+
+    def restore(self, counts: Mapping[str, int]) -> None:
+        """Start from a saved ledger's counters (a resumed run): their ids are gone, so only
+        closed tokens can be restored; they become the closed totals."""
+        if self.accounts or any(self.closed.values()):
+            raise LedgerError("restoring token counts into an audit that holds accounts already")
+        stray = {b: counts[b] for b in OPEN_BUCKETS if counts[b]}
+        if stray:
+            raise LedgerError(f"cannot restore open tokens without their accounts: {stray}")
+        self.closed = {b: counts[b] for b in CLOSED_BUCKETS}
 
 
 @dataclass
@@ -181,6 +349,10 @@ class TokenLedger:
     cancelled task attempts), and the reconciliation with the rollout ranks' own counts
     (`lose`): tokens a rank says it generated, and no longer runs, that never reached the
     controller are lost. So `lost > 0` is the ledger failing: a task or a message vanished.
+
+    The counters add up by construction; `audit` (an option) keeps the same tokens per account
+    id as well, and every booking and move must then name its account (`key`), so that
+    `verify` can fail (`TokenAudit`). Without one, `key` is ignored.
     """
 
     generated: int = 0
@@ -201,53 +373,99 @@ class TokenLedger:
     """Generated on a rollout rank but never booked here (a vanished task or message)."""
     evaluated: int = 0
     """Belonging to evaluation groups: scored, not trained on."""
+    audit: Optional[TokenAudit] = field(default=None, repr=False, compare=False)
+    """Per-id accounts behind the counters (None: counters only)."""
 
     BUCKETS = ("in_flight", "ready", "consumed", "dropped_stale", "cancelled", "failed", "lost", "evaluated")
 
-    def _move(self, src: str, dst: str, n: int) -> None:
+    def _named(self, key: Optional[Hashable], what: str) -> Hashable:
+        if key is None:
+            raise LedgerError(f"{what} names no token account, and this ledger is audited per account")
+        return key
+
+    def _move(self, src: str, dst: str, n: int, key: Optional[Hashable]) -> None:
         if n < 0:
-            raise LedgerError(f"negative movement {n} from {src} to {dst}")
+            raise LedgerError(f"negative movement {n} from {src} to {dst}"
+                              + (f" of {key!r}" if key is not None else ""))
+        if self.audit is not None:  # first: its error names the account
+            self.audit.move(self._named(key, f"moving {n} tokens from {src} to {dst}"), src, dst, n)
         if getattr(self, src) < n:
             raise LedgerError(f"moving {n} tokens from {src} which holds {getattr(self, src)}")
         setattr(self, src, getattr(self, src) - n)
         setattr(self, dst, getattr(self, dst) + n)
 
-    def _book(self, bucket: str, n: int) -> None:
+    def _book(self, bucket: str, n: int, key: Optional[Hashable]) -> None:
         if n < 0:
-            raise LedgerError(f"negative booking {n} into {bucket}")
+            raise LedgerError(f"negative booking {n} into {bucket}" + (f" of {key!r}" if key is not None else ""))
+        if self.audit is not None:
+            key = self._named(key, f"booking {n} tokens into {bucket}")
+            if bucket == "in_flight":
+                self.audit.produce(key, n)
+            else:
+                self.audit.book(key, bucket, n)
         self.generated += n
         setattr(self, bucket, getattr(self, bucket) + n)
 
-    def produce(self, n: int) -> None:
-        self._book("in_flight", n)
+    def produce(self, n: int, *, key: Optional[Hashable] = None) -> None:
+        self._book("in_flight", n, key)
 
-    def complete(self, n: int) -> None:
-        self._move("in_flight", "ready", n)
+    def complete(self, n: int, *, key: Optional[Hashable] = None) -> None:
+        self._move("in_flight", "ready", n, key)
 
-    def consume(self, n: int) -> None:
-        self._move("ready", "consumed", n)
+    def consume(self, n: int, *, key: Optional[Hashable] = None) -> None:
+        self._move("ready", "consumed", n, key)
 
-    def drop_stale(self, n: int, *, from_ready: bool) -> None:
-        self._move("ready" if from_ready else "in_flight", "dropped_stale", n)
+    def drop_stale(self, n: int, *, from_ready: bool, key: Optional[Hashable] = None) -> None:
+        self._move("ready" if from_ready else "in_flight", "dropped_stale", n, key)
 
-    def cancel(self, n: int, *, from_ready: bool = False) -> None:
-        self._move("ready" if from_ready else "in_flight", "cancelled", n)
+    def cancel(self, n: int, *, from_ready: bool = False, key: Optional[Hashable] = None) -> None:
+        self._move("ready" if from_ready else "in_flight", "cancelled", n, key)
 
-    def fail(self, n: int) -> None:
-        self._move("in_flight", "failed", n)
+    def fail(self, n: int, *, key: Optional[Hashable] = None) -> None:
+        self._move("in_flight", "failed", n, key)
 
-    def evaluate(self, n: int) -> None:
-        self._move("in_flight", "evaluated", n)
+    def evaluate(self, n: int, *, key: Optional[Hashable] = None) -> None:
+        self._move("in_flight", "evaluated", n, key)
 
-    def book_attempt(self, n: int, *, fate: str) -> None:
+    def book_attempt(self, n: int, *, fate: str, key: Optional[Hashable] = None) -> None:
         """Tokens of a task attempt that ended without a trajectory (`failed` or `cancelled`)."""
         if fate not in ("failed", "cancelled"):
             raise LedgerError(f"unknown attempt fate {fate!r}")
-        self._book(fate, n)
+        self._book(fate, n, key)
 
-    def lose(self, n: int) -> None:
+    def lose(self, n: int, *, key: Optional[Hashable] = None) -> None:
         """Tokens a rollout rank generated that no booking here accounts for."""
-        self._book("lost", n)
+        self._book("lost", n, key)
+
+    def counts(self) -> dict[str, int]:
+        """Every bucket and `generated`."""
+        return {**{b: getattr(self, b) for b in self.BUCKETS}, "generated": self.generated}
+
+    def restore(self, counts: Mapping[str, int]) -> None:
+        """Take a saved ledger's counters (a resumed run); they must balance, and with an audit
+        hold no open tokens (`TokenAudit.restore`)."""
+        if self.generated:
+            raise LedgerError(f"restoring token counts into a ledger that booked {self.generated} already")
+        if counts["generated"] != sum(counts[b] for b in self.BUCKETS) or min(counts[b] for b in self.BUCKETS) < 0:
+            raise LedgerError(f"restored token counts do not balance: {dict(counts)}")
+        if self.audit is not None:
+            self.audit.restore(counts)
+        for key in (*self.BUCKETS, "generated"):
+            setattr(self, key, counts[key])
+
+    def problems(self, live: Optional[Mapping[Hashable, tuple[str, int]]] = None) -> list[str]:
+        """What is wrong with the ledger (empty when nothing is); `live` as `TokenAudit.problems`."""
+        if self.audit is not None:
+            return self.audit.problems(self.counts(), live)
+        return [] if self.balanced else [f"ledger does not balance: {self}"]
+
+    def verify(self, live: Optional[Mapping[Hashable, tuple[str, int]]] = None) -> None:
+        """The step's check: raise `LedgerError` naming what is wrong (with an audit, also fold
+        its closed accounts away, `TokenAudit.verify`)."""
+        if self.audit is not None:
+            self.audit.verify(self.counts(), live)
+        elif not self.balanced:
+            raise LedgerError(f"ledger does not balance: {self}")
 
     @property
     def wasted(self) -> int:
@@ -256,6 +474,8 @@ class TokenLedger:
 
     @property
     def balanced(self) -> bool:
+        """The counters add up (true by construction unless a counter is set from outside;
+        `verify` is the check that can fail)."""
         buckets = [getattr(self, b) for b in self.BUCKETS]
         return min(buckets) >= 0 and self.generated == sum(buckets)
 
@@ -270,6 +490,10 @@ class _PendingGroup:
     done: dict[int, Trajectory] = field(default_factory=dict)
     recorded_tokens: dict[int, int] = field(default_factory=dict)
     """Tokens already put in the ledger for each trajectory index (live progress reports)."""
+    accounts: dict[int, str] = field(default_factory=dict)
+    """The ledger account of each trajectory index's current attempt (`GlobalBuffer._account`)."""
+    aborted: dict[int, int] = field(default_factory=dict)
+    """Attempts aborted so far per trajectory index: the next attempt's account is a new one."""
     oldest_version: Optional[int] = None
     admitted_version: Optional[int] = None
 
@@ -285,18 +509,25 @@ class GlobalBuffer:
     """Completed GRPO groups waiting for the trainer, with staleness and accounting.
 
     Deterministic and clock-free: every method that depends on time takes `now`.
+
+    `audit_tokens` (default on): the ledger is kept per account as well (`TokenAudit`), one
+    account per trajectory attempt named by its trajectory id (`g3v0/1`, a retried attempt
+    `g3v0/1#1`), and `end_step` verifies it against the pending and ready groups; off, the
+    ledger keeps counters only.
     """
 
-    def __init__(self, config: BufferConfig, signals: Optional[SignalsConfig] = None):
+    def __init__(self, config: BufferConfig, signals: Optional[SignalsConfig] = None, *,
+                 audit_tokens: bool = True):
         self.config = config
         self.signals = signals or SignalsConfig()
-        self.ledger = TokenLedger()
+        self.ledger = TokenLedger(audit=TokenAudit() if audit_tokens else None)
         self.meter = ReadinessMeter(self.signals)
         self.estimator = ReadinessEstimator(self.signals)
         self.records: dict[Hashable, GroupRecord] = {}
         self._pending: dict[Hashable, _PendingGroup] = {}
         # Insertion order == completion order, so iteration is oldest-first (FIFO).
         self._ready: OrderedDict[Hashable, CompletedGroup] = OrderedDict()
+        self._ready_accounts: dict[Hashable, list[str]] = {}  # ready group -> its trajectories' accounts
         self._eval_results: list[CompletedGroup] = []
         self._completed_ids: set[Hashable] = set()
         self._retention_fetches_left = 0
@@ -329,7 +560,7 @@ class GlobalBuffer:
         group = self._require_pending(group_id)
         if index in group.done:
             raise ValueError(f"trajectory {index} of group {group_id!r} already finished")
-        self.ledger.produce(tokens)
+        self.ledger.produce(tokens, key=self._account(group, index))
         group.recorded_tokens[index] = group.recorded_tokens.get(index, 0) + tokens
         if policy_version is not None:
             group.note_version(policy_version)
@@ -352,7 +583,7 @@ class GlobalBuffer:
         if traj.generated_tokens < already:
             raise LedgerError(
                 f"trajectory reports {traj.generated_tokens} tokens but {already} were recorded live")
-        self.ledger.produce(traj.generated_tokens - already)
+        self.ledger.produce(traj.generated_tokens - already, key=self._account(group, traj.index))
         group.recorded_tokens[traj.index] = traj.generated_tokens
         group.done[traj.index] = traj
         group.note_version(traj.policy_version)
@@ -368,18 +599,22 @@ class GlobalBuffer:
             t.advantage = adv
         done = CompletedGroup(group.group_id, group.task_id, trajs, now, group.is_eval)
         self._completed_ids.add(group.group_id)
-        tokens = done.generated_tokens
+        accounts = [group.accounts[i] for i in range(group.size)]
         if done.is_eval:
-            self.ledger.evaluate(tokens)
+            for key, t in zip(accounts, trajs):
+                self.ledger.evaluate(t.generated_tokens, key=key)
             self._eval_results.append(done)
             self._record(done, GroupFate.EVALUATED, consumer_version or done.policy_version, now)
             return done
-        self.ledger.complete(tokens)
+        for key, t in zip(accounts, trajs):
+            self.ledger.complete(t.generated_tokens, key=key)
         if consumer_version is not None and not self.is_fresh(done.policy_version, consumer_version):
-            self.ledger.drop_stale(tokens, from_ready=True)
+            for key, t in zip(accounts, trajs):
+                self.ledger.drop_stale(t.generated_tokens, from_ready=True, key=key)
             self._record(done, GroupFate.DROPPED_STALE, consumer_version, now)
             return None
         self._ready[group.group_id] = done
+        self._ready_accounts[group.group_id] = accounts
         self.meter.on_tokens_ready(now, done.total_tokens)
         return done
 
@@ -390,7 +625,10 @@ class GlobalBuffer:
         if index in group.done:
             raise ValueError(f"trajectory {index} of group {group_id!r} already finished")
         tokens = group.recorded_tokens.pop(index, 0)
-        self.ledger.fail(tokens)
+        key = group.accounts.pop(index, None)
+        if key is not None:  # (no account: nothing was reported for this attempt)
+            self.ledger.fail(tokens, key=key)
+            group.aborted[index] = group.aborted.get(index, 0) + 1  # the retry is a new account
         return tokens
 
     def cancel_group(self, group_id: Hashable, now: float, consumer_version: int = -1) -> int:
@@ -414,10 +652,11 @@ class GlobalBuffer:
         group = self._require_pending(group_id)
         del self._pending[group_id]
         tokens = group.in_flight_tokens
-        if fate is GroupFate.CANCELLED:
-            self.ledger.cancel(tokens)
-        else:
-            self.ledger.fail(tokens)
+        for index, n in group.recorded_tokens.items():
+            if fate is GroupFate.CANCELLED:
+                self.ledger.cancel(n, key=group.accounts[index])
+            else:
+                self.ledger.fail(n, key=group.accounts[index])
         self.records[group_id] = GroupRecord(
             group_id, group.task_id, fate, group.oldest_version if group.oldest_version is not None else -1,
             consumer_version, len(group.done), tokens, None, now)
@@ -452,7 +691,8 @@ class GlobalBuffer:
         dropped = []
         for gid in [g for g, grp in self._ready.items() if not self.is_fresh(grp.policy_version, consumer_version)]:
             grp = self._ready.pop(gid)
-            self.ledger.drop_stale(grp.generated_tokens, from_ready=True)
+            for key, t in zip(self._ready_accounts.pop(gid), grp.trajectories):
+                self.ledger.drop_stale(t.generated_tokens, from_ready=True, key=key)
             dropped.append(self._record(grp, GroupFate.DROPPED_STALE, consumer_version, now))
         return dropped
 
@@ -598,7 +838,8 @@ class GlobalBuffer:
     def _consume(self, gid: Hashable, consumer_version: int, now: float) -> CompletedGroup:
         grp = self._ready.pop(gid)
         assert self.is_fresh(grp.policy_version, consumer_version)
-        self.ledger.consume(grp.generated_tokens)
+        for key, t in zip(self._ready_accounts.pop(gid), grp.trajectories):
+            self.ledger.consume(t.generated_tokens, key=key)
         self._record(grp, GroupFate.CONSUMED, consumer_version, now)
         self._consumed_this_step += len(grp)
         return grp
@@ -633,10 +874,17 @@ class GlobalBuffer:
         return self.meter.begin_step(now, self.ready_tokens(), self.head_of_line_latency(now))
 
     def end_step(self, now: float) -> StepReadiness:
-        """The actor update finished: close the step measurement and update the estimate."""
+        """The actor update finished: close the step measurement and update the estimate, and
+        check the token ledger (`verify_ledger`: raises `LedgerError` when it is broken)."""
         step = self.meter.end_step(now, self._consumed_this_step)
         self.estimator.observe(step)
+        self.verify_ledger()
         return step
+
+    def verify_ledger(self) -> None:
+        """The step's ledger check (`TokenLedger.verify`): with the audit, every account against
+        the pending and ready groups that hold them; raises `LedgerError` naming the account."""
+        self.ledger.verify(self._live_accounts() if self.ledger.audit is not None else None)
 
     def estimate(self) -> ReadinessEstimate:
         return self.estimator.estimate()
@@ -675,10 +923,9 @@ class GlobalBuffer:
         return set(self._completed_ids)
 
     def audit(self) -> list[str]:
-        """Invariant violations (empty when healthy): ledger balance and group accountability."""
-        problems = []
-        if not self.ledger.balanced:
-            problems.append(f"ledger does not balance: {self.ledger}")
+        """Invariant violations (empty when healthy): ledger balance (per account, with the
+        audit: `verify_ledger` without its folding) and group accountability."""
+        problems = self.ledger.problems(self._live_accounts() if self.ledger.audit is not None else None)
         if self.ledger.ready != sum(g.generated_tokens for g in self._ready.values()):
             problems.append("ledger.ready differs from the ready groups' tokens")
         if self.ledger.in_flight != sum(g.in_flight_tokens for g in self._pending.values()):
@@ -692,6 +939,26 @@ class GlobalBuffer:
                     any(t.advantage is None or math.isnan(t.advantage) for t in grp.trajectories):
                 problems.append(f"ready group {gid!r} is malformed")
         return problems
+
+    def _account(self, group: _PendingGroup, index: int) -> str:
+        """The ledger account of trajectory `index`'s current attempt (opened on its first tokens)."""
+        key = group.accounts.get(index)
+        if key is None:
+            aborted = group.aborted.get(index, 0)
+            key = group.accounts[index] = f"{group.group_id}/{index}" + (f"#{aborted}" if aborted else "")
+        return key
+
+    def _live_accounts(self) -> dict[Hashable, tuple[str, int]]:
+        """Every account the buffer holds open -> (bucket, tokens): the pending groups' attempts
+        in flight, the ready groups' trajectories ready."""
+        live: dict[Hashable, tuple[str, int]] = {}
+        for group in self._pending.values():
+            for index, n in group.recorded_tokens.items():
+                live[group.accounts[index]] = ("in_flight", n)
+        for gid, grp in self._ready.items():
+            for key, t in zip(self._ready_accounts[gid], grp.trajectories):
+                live[key] = ("ready", t.generated_tokens)
+        return live
 
     def _require_pending(self, group_id: Hashable) -> _PendingGroup:
         try:
