@@ -36,7 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tide_megatron.core.buffer import GlobalBuffer, TokenLedger
+from tide_megatron.core.buffer import GlobalBuffer
+from tide_megatron.core.token_ledger import TokenLedger
 from tide_megatron.core.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ Everything here is standard-library only (no torch, megatron, sglang, transforme
 the discrete-event simulator (`tide_megatron.sim`) and the real controller.
 
 - `signals`: RAS, TPRM, head-of-line latency, generation/consumption deficits.
-- `buffer`: GRPO groups, advantages, staleness bound, elastic batches, token ledger.
+- `buffer`: GRPO groups, advantages, staleness bound, elastic batches.
+- `token_ledger`: where every generated token is, by bucket and by account (checked each step).
 - `ctb`: Continuous Task Batching (token-budget admission, pause/resume, re-dispatch).
 - `ra2p`: Ref-Actor cost models, mode choice and micro-batch planning.
 - `ers`: Elastic Resource Scaling role plans.
