@@ -17,24 +17,12 @@ import warnings
 
 import torch
 
-from megatron_worker import MODEL_KWARGS, make_trajectories
+from megatron_worker import MODEL_KWARGS, _grads, _max_abs, _max_diff, make_trajectories
 from packed_copy import packed_like
 from tide_megatron.utils.net import free_port
 
 NOISE = 0.4  # std of the simulated rollout-vs-trainer log-prob gap (large, so the cap of 2 binds)
 MISMATCH_KEYS = ("mismatch_abs", "mismatch_kl", "tis_clip_frac")
-
-
-def _grads(actor) -> dict[str, torch.Tensor]:
-    return {n: p.main_grad.detach().clone() for n, p in actor.module.named_parameters()}
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _max_abs(a: dict) -> float:
-    return max(v.abs().max().item() for v in a.values())
 
 
 def scenario(hf_dir: str) -> dict:
