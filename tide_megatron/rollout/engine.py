@@ -97,6 +97,21 @@ def _wants_file_rendezvous(engine_kwargs: dict[str, Any]) -> bool:
 VISION_LANGUAGE_SGLANG_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0", "SGLANG_MM_AVOID_RETOKENIZE": "1"}
 
 
+def _process_running(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux: /proc; elsewhere: it exists)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def _signal_handler_class(engine: "RolloutEngine"):
     from sglang.srt.managers.tokenizer_manager import SignalHandler
 
@@ -176,6 +191,18 @@ class RolloutEngine:
         loop = getattr(self, "loop", None)  # None while the engine itself is starting
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._death.set)
+
+    def check_alive(self) -> bool:
+        """Whether every SGLang subprocess still runs; marks the engine dead when one does not.
+
+        SGLang's watchdog reports a dead scheduler with SIGQUIT, handled on the engine's asyncio
+        loop, which runs only while the rank rolls out: a death while the rank trained (or just
+        before it left rollout) would go unnoticed until its next call hung. So a rank asks
+        directly when it comes back to rollout."""
+        pids = getattr(getattr(self._engine, "_scheduler_init_result", None), "all_child_pids", None) or []
+        if not self.died and any(not _process_running(pid) for pid in pids):
+            self._child_died(None, None)
+        return not self.died
 
     async def _unless_dead(self, awaitable):
         """Await a call on the scheduler, or raise as soon as the engine dies: a dead scheduler

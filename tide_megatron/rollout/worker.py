@@ -88,14 +88,16 @@ from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
 from tide_megatron.rollout.engine import RolloutEngine
 from tide_megatron.rollout.task_carry import CarriedTask, release_claim
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
+from tide_megatron.utils import fault_injection
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.02
 WEIGHT_RECV_TIMEOUT_S = 1800.0  # the job group's own timeout: only a dead sender lets it pass
-FAULT_KILL_ENGINE_ENV = "TIDE_FAULT_KILL_ENGINE_AFTER_VERSION"
-"""Test-only fault injector: after loading this weight version, the rank kills its own SGLang
-scheduler (as a crash would), so tests can show the rank and the run survive it."""
+FAULT_KILL_ENGINE_ENV = fault_injection.KILL_ENGINE_ENV
+"""Test-only fault injector: `<moment>:<n>[:<which>]`, the rank kills its own SGLang scheduler at
+that moment (as a crash would), so tests can show the rank and the run survive it (see
+`utils/fault_injection.py`)."""
 
 
 @dataclass
@@ -200,6 +202,12 @@ class RolloutWorker:
         self._away = False  # the engine's memory is released while the rank trains
         self._releases: set[asyncio.Task] = set()
         """Env sessions of dropped hand-overs being closed (`ReleaseCarry`)."""
+        self._fault = fault_injection.EngineFault(rank)  # test-only; inert unless its variable is set
+        self._moves_out = 0
+        self._unread: list = []
+        """Messages read with the one during which the engine died, not handled yet: the
+        replacement engine's loop handles them first (a `RunTask` dropped here would stay
+        resident in rank 0's CTB placement forever, and the run would stall)."""
 
     def run(self) -> Optional[list]:
         """Roll out until `Stop` (returns None) or until rank 0 moves this rank to the trainer
@@ -209,6 +217,8 @@ class RolloutWorker:
             self._away = False
         self._clock.back(time.monotonic())
         self._handoff = None
+        if not self.engine.check_alive():  # died while this rank was away (`check_alive`)
+            self._restart_engine()
         while self.engine.loop.run_until_complete(self._main()) == "engine died":
             self._restart_engine()
         handoff, self._handoff = self._handoff, None
@@ -235,7 +245,7 @@ class RolloutWorker:
         self.mailbox.post(CONTROLLER, RankReady(facts, pid=os.getpid()))
         next_beat = 0.0
         while not self._stopping and not self.engine.died and self._handoff is None:
-            msgs = self.mailbox.poll()
+            msgs, self._unread = self._unread + self.mailbox.poll(), []
             for i, msg in enumerate(msgs):
                 if isinstance(msg, SetRoles):
                     if self._tasks:  # rank 0 posts it only after this rank's AllCancelled
@@ -245,11 +255,13 @@ class RolloutWorker:
                     break
                 await self._handle(msg)
                 if self.engine.died:
+                    self._unread = msgs[i + 1:]
                     break
             if self._cancel_all_epoch is not None and not self._tasks:
                 # after each task's TaskCancelled (posted before it leaves `_tasks`)
                 self.mailbox.post(CONTROLLER, AllCancelled(self._cancel_all_epoch))
                 self._cancel_all_epoch = None
+            self._fault.poll(time.monotonic())
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self.heartbeat_interval_s
@@ -339,6 +351,9 @@ class RolloutWorker:
                 task.handle.carry = msg.carry
                 self._cancel(task, "carried to another rank" if msg.carry else "quarantined")
             self._cancel_all_epoch = msg.epoch
+            if msg.carry:
+                self._moves_out += 1
+                self._fault.at("during_handover", self._moves_out)
         elif isinstance(msg, ReleaseCarry):
             release = asyncio.get_running_loop().create_task(self._release(msg.claim))
             self._releases.add(release)
@@ -451,6 +466,7 @@ class RolloutWorker:
         its node's relay, received point to point into shared memory, loaded, and passed on to
         the node's other receivers (`weight_sync.py`)."""
         manifest = weight_sync.WeightManifest.from_json(msg.manifest)
+        self._fault.at("at_step_boundary", manifest.version)
         loop = asyncio.get_running_loop()
         beats = loop.create_task(self._beat_forever())  # the mailbox loop waits for this load
         comm_s = 0.0
@@ -468,6 +484,7 @@ class RolloutWorker:
             # Held until the next version: a replacement engine loads them again, and holding
             # them keeps their shared memory alive after the sender lets go.
             self._last_weights = (manifest.version, mapped)
+            self._fault.at("during_weight_sync", manifest.version)
             try:
                 await self.engine.load_serialized(weight_sync.serialize_buckets(mapped), manifest.version)
             except RuntimeError:
@@ -477,8 +494,7 @@ class RolloutWorker:
                 return
         finally:
             beats.cancel()
-        if os.environ.get(FAULT_KILL_ENGINE_ENV) == str(manifest.version) and not self.engine_restarts:
-            _kill_scheduler()
+        self._fault.at("after_version", manifest.version)
         self._report_loaded(manifest.version, comm_s, time.perf_counter() - t0)
 
     async def _beat_forever(self) -> None:
@@ -520,21 +536,6 @@ class _Listener:
             self.worker.mailbox.post(CONTROLLER, TurnEvent(task_id, "finished", context_tokens, report))
         if task.cancel_reason is not None and not task.handle.carry:  # cancelled while this turn generated
             raise asyncio.CancelledError(task.cancel_reason)  # (a carried task stops after it, with it)
-
-
-def _kill_scheduler() -> None:
-    import multiprocessing
-    import signal
-
-    for child in multiprocessing.active_children():
-        try:
-            with open(f"/proc/{child.pid}/cmdline", "rb") as f:
-                title = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "scheduler" in title:  # SGLang names the process `sglang::scheduler`
-            logger.warning("fault injection: killing SGLang scheduler pid %d", child.pid)
-            os.kill(child.pid, signal.SIGKILL)
 
 
 def build_chat(model_path: str, system_prompt: str | None) -> ChatFormat:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_the_run_survives_a_dead_engine(tmp_path, mode):
     proc = run_job("metrics.tensorboard=false", "run.checkpoint_interval=0", f"scheduler.mode={mode}", "run.steps=4",
                    "scheduler.stall_timeout_s=180", f"run.output_dir={tmp_path}", timeout=900,
-                   env=child_env(**{FAULT_KILL_ENGINE_ENV: "2"}))
+                   env=child_env(**{FAULT_KILL_ENGINE_ENV: "after_version:2"}))
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

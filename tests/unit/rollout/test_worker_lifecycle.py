@@ -39,6 +39,9 @@ class FakeEngine:
     async def close_session(self, session):
         self.closed_sessions.append(session)
 
+    def check_alive(self):
+        return not self.died
+
     def shutdown(self):
         self.loop.close()
 

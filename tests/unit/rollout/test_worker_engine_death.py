@@ -1,0 +1,82 @@
+"""A rollout rank whose engine dies while it handles one message of a poll still handles the
+messages read with it, on the replacement engine (issue 39). They used to be dropped: a
+`RunTask` that followed a `LoadWeights` during which the engine died never ran, was never
+answered, and stayed resident in rank 0's CTB placement until the run stalled."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+from tide_megatron.comm.messages import LoadWeights, RunTask, Stop, TaskAssignment, TaskCancelled
+from tide_megatron.rollout import worker as worker_mod
+from tide_megatron.rollout.task_runner import TaskRunnerConfig
+
+
+
+class FakeMailbox:
+    def __init__(self):
+        self.inbox, self.sent, self._lock = [], [], threading.Lock()
+
+    def post(self, dest, message, **payload):
+        self.sent.append(message)
+
+    def poll(self, limit=1 << 30):
+        with self._lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+
+class FakeEngine:
+    def __init__(self):
+        self.cfg = types.SimpleNamespace(max_total_tokens=1000, max_running_requests=8, use_sessions=True)
+        self.kv_tokens, self.request_rows = 1000, 8
+        self.loop = asyncio.new_event_loop()
+        self.died = False
+
+    def check_alive(self):
+        return not self.died
+
+    def shutdown(self):
+        self.loop.close()
+
+
+class WaitsForResume:
+    """A task that waits until it is cancelled."""
+
+    def __init__(self):
+        self.started = 0
+
+    async def run(self, assignment, handle, listener, carry=None):
+        self.started += 1
+        await asyncio.Event().wait()
+
+
+def test_messages_read_with_the_one_the_engine_died_in_are_handled_after_the_restart(monkeypatch):
+    monkeypatch.setattr(worker_mod, "STOP_GRACE_S", 5.0)
+    mailbox = FakeMailbox()
+    worker = worker_mod.RolloutWorker(1, FakeEngine(), TaskRunnerConfig(), types.SimpleNamespace(), env=None,
+                                      mailbox=mailbox, job_group=None, heartbeat_interval_s=0.05,
+                                      engine_factory=FakeEngine)
+    runner = worker._runner = WaitsForResume()
+
+    async def load_and_die(msg):  # the engine dies during the weight load
+        worker.engine.died = True
+
+    worker._load_weights = load_and_die
+    assignment = TaskAssignment(task={"task_id": "t0"}, group_id="g0", index=0)
+    mailbox.inbox = [LoadWeights({}, sender=0), RunTask(assignment)]  # one poll
+
+    def stop_when_started():
+        while runner.started == 0:
+            threading.Event().wait(0.01)
+        mailbox.inbox.append(Stop())
+
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
+    assert done.wait(20), "the task that came with the fatal message never ran"
+    assert worker.engine_restarts == 1 and runner.started == 1
+    cancelled = [m for m in mailbox.sent if isinstance(m, TaskCancelled)]  # at Stop: answered once
+    assert [m.task_id for m in cancelled] == [assignment.trajectory_id]
