@@ -5,7 +5,8 @@ answered, and stayed resident in rank 0's CTB placement until the run stalled.""
 
 from __future__ import annotations
 
-import asyncio
+import os
+import sys
 import threading
 import types
 
@@ -13,44 +14,8 @@ from tide_megatron.comm.messages import LoadWeights, RunTask, Stop, TaskAssignme
 from tide_megatron.rollout import worker as worker_mod
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
-
-
-class FakeMailbox:
-    def __init__(self):
-        self.inbox, self.sent, self._lock = [], [], threading.Lock()
-
-    def post(self, dest, message, **payload):
-        self.sent.append(message)
-
-    def poll(self, limit=1 << 30):
-        with self._lock:
-            out, self.inbox = self.inbox, []
-        return out
-
-
-class FakeEngine:
-    def __init__(self):
-        self.cfg = types.SimpleNamespace(max_total_tokens=1000, max_running_requests=8, use_sessions=True)
-        self.kv_tokens, self.request_rows = 1000, 8
-        self.loop = asyncio.new_event_loop()
-        self.died = False
-
-    def check_alive(self):
-        return not self.died
-
-    def shutdown(self):
-        self.loop.close()
-
-
-class WaitsForResume:
-    """A task that waits until it is cancelled."""
-
-    def __init__(self):
-        self.started = 0
-
-    async def run(self, assignment, handle, listener, carry=None):
-        self.started += 1
-        await asyncio.Event().wait()
+sys.path.insert(0, os.path.dirname(__file__))
+from worker_fakes import FakeEngine, FakeMailbox, WaitsForResume  # noqa: E402
 
 
 def test_messages_read_with_the_one_the_engine_died_in_are_handled_after_the_restart(monkeypatch):
