@@ -124,7 +124,7 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """How trajectories become a micro-batch (`TrainerConfig.batch_layout`). Every rank that
+    """How trajectories become a micro-batch (`BatchLayout.of(trainer_cfg)`). Every rank that
     builds micro-batches of one step (actor and reference) must use the same layout: the
     reference's log-probs stream into the actor's micro-batch by shape."""
 
