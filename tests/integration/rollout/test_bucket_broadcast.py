@@ -46,6 +46,12 @@ def _sglang_receive(manifest, src: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, bucket_bytes: int, out_dir: str, sglang_receivers: bool = False) -> None:
+    if sglang_receivers:
+        # Imported before the process group exists, as in an engine's scheduler process: imported
+        # while a gloo group exists, SGLang (through transformers' continuous batching) keeps
+        # that group's threads alive past `destroy_process_group`, and their destructor aborts
+        # the process at exit ("terminate called without an active exception", ~1 run in 3).
+        import sglang.srt.weight_sync.tensor_bucket  # noqa: F401
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
                             timeout=timedelta(seconds=60))
     try:
