@@ -19,6 +19,7 @@ Writes benchmarks/results/ra2p_microbench.json (command, machine, date, figures)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -218,11 +219,15 @@ def main() -> None:
     if "CM" in results:
         meter = CostMeter()
         meter.merge(results["CM"]["meter"])
-        selector = ModeSelector(ModeSelectorConfig(ra2p=RA2PConfig(pipeline_fill_s=0.0)), meter)
-        per_mb = sum(meter.times().__dict__.values())
+        # The cost model's micro-batch is this run's (mb_tokens per rank), on a 3-actor trainer.
+        cost_model = RA2PConfig(pipeline_fill_s=0.0, tokens_per_rank=args.mb_tokens)
+        selector = ModeSelector(ModeSelectorConfig(ra2p=cost_model), meter)
+        per_mb = sum(meter.times(args.mb_tokens).__dict__.values())
+        mb = cost_model.micro_batch_tokens(3)
         for label, (ras, tprm) in {"high_ras_short_tprm": (args.num_mb, 0.0),
                                    "low_ras_long_tprm": (1, 4 * per_mb)}.items():
-            choice = selector.choose(ras, tprm, args.num_mb, dp_size=3)
+            choice = selector.choose(3, ras_tokens=ras * mb, arrival_tokens_per_s=mb / tprm if tprm else math.inf,
+                                     step_tokens=args.num_mb * mb, ref_ranks=cost_model.ref_ranks_for(3))
             selection[label] = dict(ras=ras, tprm_s=tprm, dp_size=3, mode=choice.mode.value,
                                     cost_decoupled=choice.cost_decoupled, cost_colocated=choice.cost_colocated)
         print("\nmode selection on measured costs:", {k: v["mode"] for k, v in selection.items()})

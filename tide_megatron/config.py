@@ -240,11 +240,14 @@ class RA2PJobConfig:
     cost_model: RA2PConfig = field(default_factory=RA2PConfig)
     """Constants of the C_dec / C_col comparison; its swap cost is replaced by measurement."""
     prior_ref_fwd_s: float = 0.05
-    """Reference forward per micro-batch assumed until measured."""
+    """Reference forward of one cost-model micro-batch (`ra2p.cost_model.tokens_per_rank` tokens per
+    actor rank) assumed until measured."""
     prior_actor_fwd_s: float = 0.05
-    """Actor forward per micro-batch assumed until measured."""
+    """Actor forward of one cost-model micro-batch (`ra2p.cost_model.tokens_per_rank` tokens per
+    actor rank) assumed until measured."""
     prior_actor_bwd_s: float = 0.1
-    """Actor backward per micro-batch assumed until measured."""
+    """Actor backward of one cost-model micro-batch (`ra2p.cost_model.tokens_per_rank` tokens per
+    actor rank) assumed until measured."""
 
 
 @dataclass

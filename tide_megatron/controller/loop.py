@@ -184,7 +184,7 @@ class Controller:
         t0 = time.perf_counter()
         if not self.mode.continuous_rollout:
             self.rollout.call(lambda: self.rollout.request_groups(sched.groups_per_step))
-        tprm = self.rollout.call(self._tprm_estimate)
+        arrival = self.rollout.call(self._arrival_estimate)
         if self.mode.streaming:
             ras, hol, ready, groups = self.rollout.wait(
                 self.rollout.submit(lambda: self.rollout.open_step(sched.groups_per_step),
@@ -192,7 +192,7 @@ class Controller:
                 self.stall_timeout_s * 4, "the first ready group of the step")
             twt = time.perf_counter() - t0
             ers_twt, loan_end = self._end_cold_start(twt)
-            outcome = self.trainer.train_stream(ready, groups, ras, tprm, self._stream_into,
+            outcome = self.trainer.train_stream(ready, groups, arrival, self._stream_into,
                                                 arrival_timeout_s=self.stall_timeout_s * 4)
         else:
             fetched = None
@@ -202,7 +202,7 @@ class Controller:
             batch, ras, hol = fetched
             twt = time.perf_counter() - t0
             ers_twt, loan_end = self._end_cold_start(twt)
-            outcome = self.trainer.train_batch(list(batch.groups), ras, tprm)
+            outcome = self.trainer.train_batch(list(batch.groups), arrival)
         loan_s = loan_end.get("ers/cold_start_end_s", 0.0)  # the role change, not training
         train_s = time.perf_counter() - t0 - twt - loan_s
         readiness = self.rollout.call(self.rollout.close_step)
@@ -264,9 +264,10 @@ class Controller:
             decode_seq_s=window["decode_seq_s"], tasks_in_flight_s=window["tasks_in_flight_s"],
             rollout_resized=self.roles.rollout_resized)
 
-    def _tprm_estimate(self) -> Optional[float]:
+    def _arrival_estimate(self) -> Optional[float]:
+        """Trainer-work tokens made ready per second (smoothed over steps); None before any."""
         est = self.rollout.buffer.estimate()
-        return est.tprm_s if est.steps_observed else None
+        return est.arrival_tokens_per_s if est.steps_observed else None
 
     def _stream_into(self, source, groups_left: int, on_group) -> None:
         self.rollout.call(lambda: self.rollout.stream_into(source, groups_left, on_group))

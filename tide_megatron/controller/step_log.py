@@ -140,7 +140,9 @@ class StepLog:
         if outcome.choice is not None:
             record.update({"ra2p/cost_decoupled": outcome.choice.cost_decoupled,
                            "ra2p/cost_colocated": outcome.choice.cost_colocated,
-                           "ra2p/break_even_ras": outcome.choice.break_even_ras})
+                           "ra2p/break_even_ras": outcome.choice.break_even_ras,
+                           # `ras` above counts the log's unit; these count the decision's micro-batch
+                           "ra2p/ras": outcome.choice.ras, "ra2p/micro_batches": outcome.choice.micro_batches})
         topo, end = self.trainer.topo, self.timeline.now()
         decoupled = outcome.mode is RA2PMode.DECOUPLED
         self.timeline.step(TimelineStep(

@@ -2,8 +2,9 @@
 
 The mode (`modes.py`) says which executor runs and whether the step's micro-batches are all
 ready at its start or arrive while it runs; RA2P's `ModeSelector` picks colocated or decoupled
-each step in `tide` mode with `ra2p.executor=auto`, from RAS and TPRM and the costs the
-executors measured. Micro-batches are formed by the core planner (`core/ra2p.py`) over the
+each step in `tide` mode with `ra2p.executor=auto`, from the step's readiness in tokens (ready
+at its start, the arrival rate, the step's size) and the per-token costs the executors
+measured, both converted to the cost model's micro-batch of the current trainer by the core. Micro-batches are formed by the core planner (`core/ra2p.py`) over the
 current DP size: the ready backlog is planned as a whole (the smallest micro-batch last when
 decoupled); every group that completes during the step is one more micro-batch, for the DP
 rank with the fewest tokens among those with a late slot left.
@@ -36,7 +37,9 @@ from tide_megatron.trainer.worker import TrainerWorker
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
-COLD_START_TPRM_S = 60.0  # no arrival history yet: assume sparse arrivals (the paper's cold start)
+COLD_START_TPRM_S = 60.0
+"""No arrival history yet: assume one cost-model micro-batch per this many seconds (sparse
+arrivals, the paper's cold start)."""
 REPLY_TIMEOUT_S = 3600.0
 """How long rank 0 waits for the other trainer ranks once its own share is done; their health
 is checked meanwhile (a dead rank ends the torchrun job sooner)."""
@@ -92,6 +95,7 @@ class TrainerDriver:
         self.meter = worker.meter  # rank 0's measured costs; reference ranks add theirs per step
         prior = MicroBatchTimes(cfg.ra2p.prior_ref_fwd_s, cfg.ra2p.prior_actor_fwd_s, cfg.ra2p.prior_actor_bwd_s)
         self.selector = ModeSelector(ModeSelectorConfig(ra2p=cfg.ra2p.cost_model, prior_times=prior), self.meter)
+        self._group_tokens: Optional[float] = None  # a group's tokens, as the last step's groups held
 
     @property
     def assignment(self):
@@ -99,32 +103,56 @@ class TrainerDriver:
         return self.worker.assignment
 
     # -- the mode of this step ------------------------------------------------------------
-    def choose(self, ras: float, tprm_s: Optional[float], n_mb: int) -> tuple[RA2PMode, Optional[ModeChoice]]:
+    def choose(self, ras_tokens: int, step_tokens: float, arrival_tokens_per_s: Optional[float]
+               ) -> tuple[RA2PMode, Optional[ModeChoice]]:
+        """The step's mode from its readiness in tokens (`arrival_tokens_per_s` None: no history)."""
         forced = self.mode.executor
         if forced != "auto":  # every executor but `decoupled` runs Ref and Actor on the actor ranks
             return (RA2PMode.DECOUPLED if forced == "decoupled" else RA2PMode.COLOCATED), None
         if len(self.assignment.modes) == 1:  # ERS's layout left one (its plan chose the mode)
             return RA2PMode(next(iter(self.assignment.modes))), None
-        choice = self.selector.choose(ras, tprm_s if tprm_s is not None else COLD_START_TPRM_S, n_mb,
-                                      dp_size=self.assignment.dp_size,
-                                      ref_rank_available="decoupled" in self.assignment.modes)
+        dp = self.assignment.dp_size
+        if arrival_tokens_per_s is None:
+            arrival_tokens_per_s = self.cfg.ra2p.cost_model.micro_batch_tokens(dp) / COLD_START_TPRM_S
+        choice = self.selector.choose(dp, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
+                                      step_tokens=step_tokens, ref_ranks=len(self.assignment.ref_units))
         return choice.mode, choice
 
+    def _step_tokens(self, ready_tokens: int, ready_groups: int, late_groups: int) -> float:
+        """The step's tokens: the ready ones, and the late groups at the mean group size seen
+        (this step's ready groups, else earlier steps'; none yet: one cost-model micro-batch
+        per group and DP rank)."""
+        if ready_groups:
+            per_group = ready_tokens / ready_groups
+        elif self._group_tokens is not None:
+            per_group = self._group_tokens
+        else:
+            per_group = self.cfg.ra2p.cost_model.tokens_per_rank
+        return ready_tokens + late_groups * per_group
+
+    def _note_groups(self, groups: list[CompletedGroup]) -> None:
+        if groups:
+            self._group_tokens = sum(_tokens(g.trajectories) for g in groups) / len(groups)
+
     # -- one step ---------------------------------------------------------------------------
-    def train_batch(self, groups: list[CompletedGroup], ras: float, tprm_s: Optional[float]) -> StepOutcome:
+    def train_batch(self, groups: list[CompletedGroup], arrival_tokens_per_s: Optional[float]) -> StepOutcome:
         """Train on a whole ready batch."""
-        mode, choice = self.choose(ras, tprm_s, len(groups))
+        tokens = sum(_tokens(g.trajectories) for g in groups)
+        mode, choice = self.choose(tokens, tokens, arrival_tokens_per_s)
         step = self._open(mode, [t for g in groups for t in g.trajectories], late=0)
         result, report, waited = self._run(mode, step)
+        self._note_groups(groups)
         return StepOutcome(result, report, mode, choice, list(groups), arrival_wait_s=waited,
                            assignment=self.assignment)
 
-    def train_stream(self, ready: list[CompletedGroup], groups_in_step: int, ras: float, tprm_s: Optional[float],
+    def train_stream(self, ready: list[CompletedGroup], groups_in_step: int, arrival_tokens_per_s: Optional[float],
                      stream_into: Callable[[ArrivingSource, int, Callable[[CompletedGroup], None]], None],
                      arrival_timeout_s: float) -> StepOutcome:
         """Train on the ready groups and on each group that completes until `groups_in_step`."""
         late = groups_in_step - len(ready)
-        mode, choice = self.choose(ras, tprm_s, groups_in_step)
+        ready_tokens = sum(_tokens(g.trajectories) for g in ready)
+        mode, choice = self.choose(ready_tokens, self._step_tokens(ready_tokens, len(ready), late),
+                                   arrival_tokens_per_s)
         step = self._open(mode, [t for g in ready for t in g.trajectories], late, arrival_timeout_s)
         consumed = list(ready)
 
@@ -135,6 +163,7 @@ class TrainerDriver:
         if late > 0:
             stream_into(step.feed.local_source, late, on_group)
         result, report, waited = self._run(mode, step)
+        self._note_groups(consumed)
         return StepOutcome(result, report, mode, choice, consumed, arrival_wait_s=waited,
                            assignment=self.assignment)
 
@@ -156,7 +185,7 @@ class TrainerDriver:
         for d, micro_batches in enumerate(per_dp):
             for mb in micro_batches:
                 feed.put(d, mb)
-        tokens = {d: sum(len(t.token_ids) for mb in per_dp[d] for t in mb) for d in range(dp_size)}
+        tokens = {d: sum(_tokens(mb) for mb in per_dp[d]) for d in range(dp_size)}
         return _OpenStep(feed, late_slots, tokens)
 
     def _run(self, mode: RA2PMode, step: _OpenStep):
@@ -192,3 +221,6 @@ class TrainerDriver:
             self._stash.append(msg)
         return got
 
+
+def _tokens(trajectories: list[Trajectory]) -> int:
+    return sum(len(t.token_ids) for t in trajectories)

@@ -42,9 +42,12 @@ R = min(floor(RAS), N) the ready ones; the other N - R arrive every TPRM.
   latency would always favour decoupled (it never swaps); what the paper trades is a Ref rank
   that sits idle on a sparse stream and could be generating on Rollout instead.
 
-Units. Readiness is measured in tokens (`core.signals`); `trainer_layout` converts it with the
-micro-batch of the layout it evaluates (D x tokens_per_rank), so RAS, TPRM and the cost model
-always count the same micro-batch.
+Units. Readiness is measured in tokens (`core.signals`) and so are the executors' costs
+(seconds per token, `trainer.ra2p.timing.CostMeter`). Every decision (`choose_mode_for_tokens`
+for a fixed trainer, `trainer_layout` for ERS and the simulator) converts both with the
+micro-batch of the trainer it evaluates, D x tokens_per_rank (`in_micro_batches`), so RAS,
+TPRM, N and the per-micro-batch times always count the same micro-batch. A real run once
+passed its group count as N and its costs per executed micro-batch: off by about D at DP > 1.
 
 Just-in-time feeding (`should_feed`): a running step is fed ready work in saturating
 micro-batches. Decoupled: one micro-batch as soon as D x tokens_per_rank tokens are ready, or
@@ -195,18 +198,33 @@ class ModeChoice:
     latency_colocated: float
     break_even_ras: float
     """Smallest RAS from which decoupled stays cheaper (inf if never within N)."""
+    ras: float = math.nan
+    """The RAS the choice was made for, in the same micro-batches as `break_even_ras`."""
+    micro_batches: int = 0
+    """N: the step's micro-batches in that unit."""
+
+
+def in_micro_batches(dp_size: int, *, ras_tokens: float, arrival_tokens_per_s: float, step_tokens: float,
+                     cfg: RA2PConfig) -> tuple[float, float, int]:
+    """Readiness in tokens as the cost model counts it for `dp_size` actor ranks: (RAS, TPRM, N)
+    in micro-batches of D x tokens_per_rank tokens. No arrivals (rate 0): TPRM is infinite."""
+    mb = cfg.micro_batch_tokens(dp_size)
+    tprm = mb / arrival_tokens_per_s if arrival_tokens_per_s > 0 else math.inf
+    return ras_tokens / mb, tprm, max(1, math.ceil(step_tokens / mb))
 
 
 def mode_costs(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig,
-               dp_size: int) -> tuple[float, float, float, float]:
-    """(C_dec, C_col, L_dec, L_col) for `dp_size` actor ranks."""
-    f = cfg.ref_ranks_for(dp_size)
+               dp_size: int, ref_ranks: Optional[int] = None) -> tuple[float, float, float, float]:
+    """(C_dec, C_col, L_dec, L_col) for `dp_size` actor ranks (and `ref_ranks` Ref ranks when
+    decoupled; default `cfg.ref_ranks_for(dp_size)`)."""
+    f = ref_ranks or cfg.ref_ranks_for(dp_size)
     l_dec = decoupled_latency(ras, tprm_s, n, times, cfg, dp_size, f)
     l_col = colocated_latency(ras, tprm_s, n, times, cfg)
     return (dp_size + f) * l_dec, dp_size * l_col, l_dec, l_col
 
 
-def break_even_ras(tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig, dp_size: int) -> float:
+def break_even_ras(tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig, dp_size: int,
+                   ref_ranks: Optional[int] = None) -> float:
     """Smallest integer RAS r such that C_dec <= C_col for every RAS in [r, N]; inf if none.
 
     "For every larger RAS" makes the threshold usable as a one-sided test (RAS above it means
@@ -214,7 +232,7 @@ def break_even_ras(tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfi
     """
     best = math.inf
     for r in range(n, -1, -1):
-        c_dec, c_col, _, _ = mode_costs(r, tprm_s, n, times, cfg, dp_size)
+        c_dec, c_col, _, _ = mode_costs(r, tprm_s, n, times, cfg, dp_size, ref_ranks)
         if c_dec > c_col:
             break
         best = float(r)
@@ -222,11 +240,23 @@ def break_even_ras(tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfi
 
 
 def choose_mode(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig,
-                dp_size: int, *, ref_rank_available: bool = True) -> ModeChoice:
-    """DECOUPLED iff C_dec < C_col and a Ref rank can be had; ties go to COLOCATED (fewer ranks)."""
-    c_dec, c_col, l_dec, l_col = mode_costs(ras, tprm_s, n, times, cfg, dp_size)
+                dp_size: int, *, ref_rank_available: bool = True, ref_ranks: Optional[int] = None) -> ModeChoice:
+    """DECOUPLED iff C_dec < C_col and a Ref rank can be had; ties go to COLOCATED (fewer ranks).
+    RAS, TPRM, N and `times` count micro-batches of D x tokens_per_rank tokens."""
+    c_dec, c_col, l_dec, l_col = mode_costs(ras, tprm_s, n, times, cfg, dp_size, ref_ranks)
     mode = RA2PMode.DECOUPLED if ref_rank_available and c_dec < c_col else RA2PMode.COLOCATED
-    return ModeChoice(mode, c_dec, c_col, l_dec, l_col, break_even_ras(tprm_s, n, times, cfg, dp_size))
+    return ModeChoice(mode, c_dec, c_col, l_dec, l_col,
+                      break_even_ras(tprm_s, n, times, cfg, dp_size, ref_ranks), ras=ras, micro_batches=n)
+
+
+def choose_mode_for_tokens(dp_size: int, *, ras_tokens: float, arrival_tokens_per_s: float, step_tokens: float,
+                           times: MicroBatchTimes, cfg: RA2PConfig, ref_ranks: int = 0) -> ModeChoice:
+    """`choose_mode` for a trainer whose ranks are fixed (no ERS), from readiness in tokens:
+    `dp_size` actor ranks, `ref_ranks` dedicated Ref ranks (0: none, colocated only)."""
+    ras, tprm, n = in_micro_batches(dp_size, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
+                                    step_tokens=step_tokens, cfg=cfg)
+    return choose_mode(ras, tprm, n, times, cfg, dp_size, ref_rank_available=ref_ranks > 0,
+                       ref_ranks=ref_ranks or None)
 
 
 @dataclass(frozen=True)
@@ -258,9 +288,8 @@ def trainer_layout(trainer_ranks: int, *, ras_tokens: float, arrival_tokens_per_
         raise ValueError("trainer_ranks must be >= 1")
 
     def signals(dp: int) -> tuple[float, float, int]:
-        mb = cfg.micro_batch_tokens(dp)
-        tprm = mb / arrival_tokens_per_s if arrival_tokens_per_s > 0 else math.inf
-        return ras_tokens / mb, tprm, max(1, math.ceil(step_tokens / mb))
+        return in_micro_batches(dp, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
+                                step_tokens=step_tokens, cfg=cfg)
 
     ras_c, tprm_c, n_c = signals(trainer_ranks)
     k = colocated_round_size(ras_c, tprm_c, n_c, times, cfg)

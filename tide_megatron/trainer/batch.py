@@ -90,6 +90,11 @@ class MicroBatch:
         return self.cu_seqlens is not None
 
     @property
+    def num_tokens(self) -> int:
+        """Trajectory tokens (padding and the packed filler excluded): what RA2P's costs count."""
+        return sum(self.lengths) if self.lengths else self.token_ids.numel()
+
+    @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 

@@ -1,24 +1,44 @@
-"""CostMeter (EWMA of measured costs) and ModeSelector (core C_dec / C_col on measured costs)."""
+"""CostMeter (EWMA of per-token costs) and ModeSelector (core C_dec / C_col on measured costs,
+readiness in tokens converted to the cost model's micro-batch of the trainer it decides for)."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig, choose_mode, in_micro_batches
 from tide_megatron.core.roles import RA2PMode
 from tide_megatron.trainer.ra2p.mode_selector import ModeSelector, ModeSelectorConfig
-from tide_megatron.trainer.ra2p.timing import CostMeter, CostMeterConfig, StepReport
+from tide_megatron.trainer.ra2p.timing import CostMeter, CostMeterConfig
 
-# Per-micro-batch costs of the order the CPU micro-benchmark measured (30M params, 256 tokens).
-MEASURED = dict(ref_fwd=0.10, actor_fwd=0.11, actor_bwd=0.25, swap=0.20)
+TOKENS_PER_RANK = 256
+# Costs of the order the CPU micro-benchmark measured (30M params, 256-token micro-batches).
+MEASURED = dict(ref_fwd=0.10, actor_fwd=0.11, actor_bwd=0.25)
+SWAP_S = 0.20
 
 
-def _measured_meter() -> CostMeter:
+def _measured_meter(swap_s: float = SWAP_S) -> CostMeter:
     meter = CostMeter()
     for _ in range(3):
         for kind, seconds in MEASURED.items():
-            meter.observe(kind, seconds)
+            meter.observe(kind, seconds, TOKENS_PER_RANK)
+        meter.observe("swap", swap_s)
     return meter
+
+
+def _selector(meter: CostMeter) -> ModeSelector:
+    return ModeSelector(ModeSelectorConfig(ra2p=RA2PConfig(pipeline_fill_s=0.05, tokens_per_rank=TOKENS_PER_RANK)),
+                        meter)
+
+
+def _choose(selector: ModeSelector, ras_mb: float, tprm_s: float, n_mb: int, dp: int = 3, ref_ranks: int = 1):
+    """Readiness given in micro-batches of this trainer, passed in tokens as a real run does."""
+    mb = selector.cfg.ra2p.micro_batch_tokens(dp)
+    return selector.choose(dp, ras_tokens=ras_mb * mb, arrival_tokens_per_s=mb / tprm_s if tprm_s else math.inf,
+                           step_tokens=n_mb * mb, ref_ranks=ref_ranks)
 
 
 def test_ewma_tracks_and_smooths():
@@ -27,47 +47,74 @@ def test_ewma_tracks_and_smooths():
     assert meter.values["swap"] == 1.0
     meter.observe("swap", 3.0)
     assert meter.values["swap"] == pytest.approx(2.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown cost kind"):
         meter.observe("nonsense", 1.0)
+    with pytest.raises(ValueError, match="needs the tokens"):
+        meter.observe("actor_fwd", 1.0)
 
 
-def test_step_report_folds_in_per_micro_batch_costs():
-    meter = CostMeter()
-    meter.observe_step(StepReport(mode="colocated", num_micro_batches=4, ref_fwd_s=0.4, actor_fwd_s=0.8,
-                                  actor_bwd_s=1.6, swap_s=0.6, num_swaps=2))
-    assert meter.times() == MicroBatchTimes(0.1, 0.2, 0.4)
-    assert meter.ra2p_config(RA2PConfig(swap_cost_s=9.0)).swap_cost_s == pytest.approx(0.3)
+def test_passes_are_kept_per_token_and_scaled_to_the_cost_models_micro_batch():
+    """Executed micro-batches of 100 and 400 tokens at the same speed give one per-token cost;
+    the cost model reads it for its own micro-batch size."""
+    meter = CostMeter(CostMeterConfig(ewma_alpha=0.5))
+    meter.observe("actor_fwd", 0.1, 100)
+    meter.observe("actor_fwd", 0.4, 400)
+    meter.observe("ref_fwd", 0.05, 100)
+    meter.observe("actor_bwd", 0.2, 100)
+    assert meter.values["actor_fwd"] == pytest.approx(1e-3)
+    assert meter.times(1000) == pytest.approx(MicroBatchTimes(0.5, 1.0, 2.0))
+    assert meter.times(2000).actor_fwd_s == pytest.approx(2.0)
 
 
 def test_priors_until_measured_then_measurements():
-    selector = ModeSelector(ModeSelectorConfig(prior_times=MicroBatchTimes(1.0, 2.0, 3.0)))
+    selector = ModeSelector(ModeSelectorConfig(ra2p=RA2PConfig(tokens_per_rank=TOKENS_PER_RANK),
+                                               prior_times=MicroBatchTimes(1.0, 2.0, 3.0)))
     times, cfg = selector.cost_inputs()
     assert times == MicroBatchTimes(1.0, 2.0, 3.0) and cfg.swap_cost_s == RA2PConfig().swap_cost_s
-    selector.meter.merge(MEASURED)
+    selector.meter.merge({k: v / TOKENS_PER_RANK for k, v in MEASURED.items()} | {"swap": SWAP_S})
     times, cfg = selector.cost_inputs()
-    assert times == MicroBatchTimes(0.10, 0.11, 0.25) and cfg.swap_cost_s == 0.20
+    assert times == pytest.approx(MicroBatchTimes(0.10, 0.11, 0.25)) and cfg.swap_cost_s == SWAP_S
 
 
 def test_both_modes_chosen_under_the_workloads_that_call_for_them():
     """High RAS / short TPRM -> DECOUPLED (swaps would dominate); low RAS / long TPRM -> COLOCATED
     (a dedicated Ref rank would idle between sparse arrivals)."""
-    selector = ModeSelector(ModeSelectorConfig(ra2p=RA2PConfig(pipeline_fill_s=0.05)), _measured_meter())
-    burst = selector.choose(ras=16, tprm_s=0.0, num_micro_batches=16, dp_size=3)
+    selector = _selector(_measured_meter())
+    burst = _choose(selector, 16, 0.0, 16)
     assert burst.mode is RA2PMode.DECOUPLED, burst
-    sparse = selector.choose(ras=1, tprm_s=5.0, num_micro_batches=16, dp_size=3)
+    assert burst.ras == pytest.approx(16) and burst.micro_batches == 16
+    sparse = _choose(selector, 1, 5.0, 16)
     assert sparse.mode is RA2PMode.COLOCATED, sparse
-    fast_stream = selector.choose(ras=1, tprm_s=0.05, num_micro_batches=16, dp_size=3)
+    fast_stream = _choose(selector, 1, 0.05, 16)
     assert fast_stream.mode is RA2PMode.DECOUPLED, fast_stream
-    assert selector.choose(ras=16, tprm_s=0.0, num_micro_batches=16, dp_size=3,
-                           ref_rank_available=False).mode is RA2PMode.COLOCATED
+    assert _choose(selector, 16, 0.0, 16, ref_ranks=0).mode is RA2PMode.COLOCATED
 
 
 def test_measured_swap_cost_drives_the_choice():
     """The same burst is colocated when swaps are measured cheap and decoupled when they are dear."""
-    cheap = CostMeter()
-    cheap.merge(dict(MEASURED, swap=0.001))
-    selector = ModeSelector(ModeSelectorConfig(ra2p=RA2PConfig(pipeline_fill_s=0.05)), cheap)
-    assert selector.choose(ras=16, tprm_s=0.0, num_micro_batches=16, dp_size=3).mode is RA2PMode.COLOCATED
+    selector = _selector(_measured_meter(swap_s=0.001))
+    assert _choose(selector, 16, 0.0, 16).mode is RA2PMode.COLOCATED
     selector.meter = _measured_meter()
-    assert selector.choose(ras=16, tprm_s=0.0, num_micro_batches=16, dp_size=3).mode is RA2PMode.DECOUPLED
+    assert _choose(selector, 16, 0.0, 16).mode is RA2PMode.DECOUPLED
     assert selector.summary()["mode"] == "decoupled"
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.integers(1, 8), ras_tokens=st.integers(0, 200_000), step_extra=st.integers(1, 200_000),
+       rate=st.floats(10.0, 1e6), ref_ranks=st.integers(1, 3))
+def test_the_real_choice_is_the_cores_on_this_trainers_micro_batch(dp, ras_tokens, step_extra, rate, ref_ranks):
+    """What a real run decides equals the core's `choose_mode` on readiness counted in micro-batches
+    of D x tokens_per_rank tokens with times of that micro-batch: the units `trainer_layout` (ERS,
+    simulator) uses. N shrinks as D grows: the same tokens are fewer, wider micro-batches."""
+    selector = _selector(_measured_meter())
+    step_tokens = ras_tokens + step_extra
+    got = selector.choose(dp, ras_tokens=ras_tokens, arrival_tokens_per_s=rate, step_tokens=step_tokens,
+                          ref_ranks=ref_ranks)
+    times, cfg = selector.cost_inputs()
+    ras, tprm, n = in_micro_batches(dp, ras_tokens=ras_tokens, arrival_tokens_per_s=rate, step_tokens=step_tokens,
+                                    cfg=cfg)
+    assert n == math.ceil(step_tokens / (dp * TOKENS_PER_RANK))
+    assert tprm == pytest.approx(dp * TOKENS_PER_RANK / rate)
+    want = choose_mode(ras, tprm, n, times, cfg, dp, ref_ranks=ref_ranks)
+    assert (got.mode, got.cost_decoupled, got.cost_colocated) == (want.mode, want.cost_decoupled, want.cost_colocated)
+    assert times.actor_fwd_s == pytest.approx(MEASURED["actor_fwd"])  # 256 tokens per rank, whatever D

@@ -129,7 +129,7 @@ class ColocatedExecutor:
             report.ref_fwd_s += seconds
             spent += seconds
             if self.meter is not None:
-                self.meter.observe("ref_fwd", seconds)
+                self.meter.observe("ref_fwd", seconds, mb.num_tokens)
         spent += self._swap(self.ref_offloader, self.actor_offloader, report)
         report.ref_rounds += 1
         return spent
@@ -153,6 +153,7 @@ class ColocatedExecutor:
                 n = self._agree_round_size(len(candidates)) if limit > 1 else 1
                 batch = [mb.to(device) for mb in candidates[:n]]  # one device copy
                 pending = candidates[n:]
+                report.tokens += sum(mb.num_tokens for mb in batch)
                 if need_ref:
                     timer.exclude(self._ref_round(batch, report))
                 processed.extend(batch)
@@ -184,9 +185,9 @@ class ColocatedExecutor:
         result = self.actor.optimizer_step(reports)
         report.optimizer_s = now() - opt_started
         report.wall_s = now() - started
-        if self.meter is not None:
-            self.meter.observe("actor_fwd", report.actor_fwd_s / max(n, 1))
-            self.meter.observe("actor_bwd", report.actor_bwd_s / max(n, 1))
+        if self.meter is not None and report.tokens:
+            self.meter.observe("actor_fwd", report.actor_fwd_s, report.tokens)
+            self.meter.observe("actor_bwd", report.actor_bwd_s, report.tokens)
         return result, report
 
     def close(self) -> None:

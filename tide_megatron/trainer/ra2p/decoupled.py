@@ -138,8 +138,9 @@ class RefStreamServer:
                 seconds = now() - t0
                 report.ref_fwd_s += seconds
                 report.num_micro_batches += 1
+                report.tokens += mb.num_tokens
                 if self.meter is not None:
-                    self.meter.observe("ref_fwd", seconds)
+                    self.meter.observe("ref_fwd", seconds, mb.num_tokens)
                 in_flight += [(self.stream.send(logprobs, dst, tag), logprobs) for dst in destinations.get(key, ())]
             tag += 1
         for work, _ in in_flight:
@@ -162,10 +163,11 @@ class DecoupledActorExecutor:
         self.cfg = cfg
         self.meter = meter
 
-    def _feed(self, source: MicroBatchSource, timer: ActorPassTimer) -> Iterable[MicroBatch]:
+    def _feed(self, source: MicroBatchSource, timer: ActorPassTimer, report: StepReport) -> Iterable[MicroBatch]:
         need_ref = self.actor.cfg.kl_coef != 0.0
         for tag, mb in enumerate(iterate(source)):
             timer.exclude(source.last_wait_s)  # waiting for an arrival is not backward
+            report.tokens += mb.num_tokens
             mb = dataclasses.replace(mb)
             if need_ref:
                 mb.ref_logprobs = self.stream.recv(tuple(mb.token_ids.shape), self.cfg.ref_rank, tag)
@@ -183,7 +185,7 @@ class DecoupledActorExecutor:
             with ActorPassTimer(self.actor.model) as timer:
                 # The receive of micro-batch i is posted when Megatron pulls it, just before its
                 # forward; the Ref may already have sent it (gloo buffers unmatched sends).
-                reports = self.actor.forward_backward_iter(iter(self._feed(source, timer)), n)
+                reports = self.actor.forward_backward_iter(iter(self._feed(source, timer, report)), n)
         finally:
             self.actor.cfg = saved_cfg
         report.ref_wait_s = sum(float(r.get("ref_wait_s", 0.0)) for r in reports)
@@ -193,7 +195,7 @@ class DecoupledActorExecutor:
         result = self.actor.optimizer_step(reports)
         report.optimizer_s = now() - opt_started
         report.wall_s = now() - started
-        if self.meter is not None:
-            self.meter.observe("actor_fwd", report.actor_fwd_s / max(n, 1))
-            self.meter.observe("actor_bwd", report.actor_bwd_s / max(n, 1))
+        if self.meter is not None and report.tokens:
+            self.meter.observe("actor_fwd", report.actor_fwd_s, report.tokens)
+            self.meter.observe("actor_bwd", report.actor_bwd_s, report.tokens)
         return result, report

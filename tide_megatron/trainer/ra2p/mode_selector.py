@@ -1,9 +1,10 @@
 """RA2P mode choice at each step, from RAS and TPRM, on costs measured online.
 
 The decision itself is the core's analytical comparison of C_dec and C_col (`core/ra2p.
-choose_mode`); what this component adds is its inputs: the per-micro-batch Ref forward, Actor
-forward and Actor backward times and the Ref<->Actor swap time that the executors measured on
-this hardware (`CostMeter`), with configured priors only until a measurement exists. A mode
+choose_mode_for_tokens`, readiness in tokens converted to the cost model's micro-batch of this
+trainer); what this component adds is its inputs: the Ref forward, Actor forward and Actor
+backward times per token and the Ref<->Actor swap time that the executors measured on this
+hardware (`CostMeter`), with configured priors only until a measurement exists. A mode
 that has never run still gets measured costs: the colocated executors measure all four, and a
 decoupled step measures the Actor's passes (its Ref rank measures the Ref forward and its meter
 is merged in); only the swap cost needs one colocated step (or the prior).
@@ -15,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tide_megatron.core.ra2p import MicroBatchTimes, ModeChoice, RA2PConfig, choose_mode
+from tide_megatron.core.ra2p import MicroBatchTimes, ModeChoice, RA2PConfig, choose_mode_for_tokens
 from tide_megatron.trainer.ra2p.timing import CostMeter
 
 
@@ -28,27 +29,31 @@ class ModeSelectorConfig:
     `swap_cost_s` is a prior, replaced by the measured swap time once there is one."""
 
     prior_times: MicroBatchTimes = field(default_factory=lambda: MicroBatchTimes(1.0, 1.0, 2.0))
-    """Per-micro-batch times used until the executors have measured them."""
+    """Times of one cost-model micro-batch (`ra2p.tokens_per_rank` tokens per actor rank) used
+    until the executors have measured them."""
 
 
 @dataclass
 class ModeSelector:
-    """Chooses the RA2P mode for the next step: `choose(ras, tprm_s, n, dp_size)`."""
+    """Chooses the RA2P mode for the next step: `choose(dp_size, ras_tokens=..., ...)`."""
 
     cfg: ModeSelectorConfig = field(default_factory=ModeSelectorConfig)
     meter: CostMeter = field(default_factory=CostMeter)
     last: Optional[ModeChoice] = None
 
     def cost_inputs(self) -> tuple[MicroBatchTimes, RA2PConfig]:
-        """(per-micro-batch times, cost-model config) with measured values where available."""
-        return self.meter.times(prior=self.cfg.prior_times), self.meter.ra2p_config(self.cfg.ra2p)
+        """(times of one cost-model micro-batch, cost-model config) with measured values where
+        available: what `trainer_layout` (ERS) takes too."""
+        return self.meter.times(self.cfg.ra2p.tokens_per_rank, prior=self.cfg.prior_times), \
+            self.meter.ra2p_config(self.cfg.ra2p)
 
-    def choose(self, ras: float, tprm_s: float, num_micro_batches: int, dp_size: int,
-               ref_rank_available: bool = True) -> ModeChoice:
-        """The mode with the lower GPU-second cost for this readiness (ties: colocated)."""
+    def choose(self, dp_size: int, *, ras_tokens: float, arrival_tokens_per_s: float, step_tokens: float,
+               ref_ranks: int = 0) -> ModeChoice:
+        """The mode with the lower GPU-second cost for this readiness (ties: colocated), on
+        `dp_size` actor ranks and `ref_ranks` dedicated Ref ranks (0: colocated only)."""
         times, ra2p_cfg = self.cost_inputs()
-        self.last = choose_mode(ras, tprm_s, num_micro_batches, times, ra2p_cfg, dp_size,
-                                ref_rank_available=ref_rank_available)
+        self.last = choose_mode_for_tokens(dp_size, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
+                                           step_tokens=step_tokens, times=times, cfg=ra2p_cfg, ref_ranks=ref_ranks)
         return self.last
 
     def summary(self) -> dict:
@@ -57,5 +62,6 @@ class ModeSelector:
                    measured=sorted(self.meter.values))
         if self.last is not None:
             out.update(mode=self.last.mode.value, cost_decoupled=self.last.cost_decoupled,
-                       cost_colocated=self.last.cost_colocated, break_even_ras=self.last.break_even_ras)
+                       cost_colocated=self.last.cost_colocated, break_even_ras=self.last.break_even_ras,
+                       ras=self.last.ras, micro_batches=self.last.micro_batches)
         return out

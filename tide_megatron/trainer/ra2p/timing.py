@@ -2,7 +2,7 @@
 
 The core cost model (`core/ra2p.py`) compares C_dec and C_col from per-micro-batch times (Ref
 forward, Actor forward, Actor backward) and the swap cost of one Ref<->Actor alternation. The
-executors measure those while they run and feed them to `CostMeter`, so the mode chosen for the
+executors measure those per token while they run and feed them to `CostMeter`, so the mode chosen for the
 next step rests on what this hardware and this model actually cost, not on a config constant.
 
 Timing on CUDA synchronises the device at each mark (`torch.cuda.synchronize`): kernels are
@@ -58,6 +58,8 @@ class StepReport:
     optimizer_s: float = 0.0
     ref_rounds: int = 0
     """Colocated: how many times the Ref was brought in (one per aggregated round)."""
+    tokens: int = 0
+    """Tokens of the micro-batches this rank passed (trajectory tokens, padding excluded)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,52 +75,57 @@ class CostMeterConfig:
 
 @dataclass
 class CostMeter:
-    """Exponentially weighted per-micro-batch costs, measured online by the executors.
+    """Exponentially weighted costs, measured online by the executors.
 
-    `observe(kind, seconds)` with kind in COST_KINDS; a swap is one Ref<->Actor alternation
-    (offload the running model, restore the other), the unit of `RA2PConfig.swap_cost_s`.
+    `observe(kind, seconds, tokens)` with kind in COST_KINDS. Ref and Actor passes are kept per
+    token of this rank (a micro-batch's tokens vary with packing and with the step), so that
+    `times(tokens_per_rank)` gives the per-micro-batch times of the cost model's micro-batch
+    whatever the executed ones held; a swap is one Ref<->Actor alternation (offload the running
+    model, restore the other), the unit of `RA2PConfig.swap_cost_s`, whatever its size.
     """
 
     cfg: CostMeterConfig = field(default_factory=CostMeterConfig)
     values: dict[str, float] = field(default_factory=dict)
+    """Seconds per token (ref_fwd, actor_fwd, actor_bwd) or per swap (swap)."""
     counts: dict[str, int] = field(default_factory=dict)
 
-    def observe(self, kind: str, seconds: float) -> None:
+    def observe(self, kind: str, seconds: float, tokens: int = 0) -> None:
+        """`seconds` spent on `tokens` tokens (a swap: one swap, `tokens` unused)."""
         if kind not in COST_KINDS:
             raise ValueError(f"unknown cost kind {kind!r}; expected one of {COST_KINDS}")
+        if kind != "swap":
+            if tokens <= 0:
+                raise ValueError(f"a {kind} measurement needs the tokens it covered, got {tokens}")
+            seconds = seconds / tokens
+        self._fold(kind, seconds)
+
+    def _fold(self, kind: str, value: float) -> None:
         if kind in self.values:
             a = self.cfg.ewma_alpha
-            self.values[kind] = a * seconds + (1.0 - a) * self.values[kind]
+            self.values[kind] = a * value + (1.0 - a) * self.values[kind]
         else:
-            self.values[kind] = seconds
+            self.values[kind] = value
         self.counts[kind] = self.counts.get(kind, 0) + 1
 
-    def observe_step(self, report: StepReport) -> None:
-        """Fold one step's per-micro-batch averages in (only the kinds the step measured)."""
-        n = max(report.num_micro_batches, 1)
-        if report.ref_fwd_s > 0:
-            self.observe("ref_fwd", report.ref_fwd_s / n)
-        if report.actor_fwd_s > 0:
-            self.observe("actor_fwd", report.actor_fwd_s / n)
-        if report.actor_bwd_s > 0:
-            self.observe("actor_bwd", report.actor_bwd_s / n)
-        if report.num_swaps:
-            self.observe("swap", report.swap_s / report.num_swaps)
-
     def merge(self, other: "CostMeter | dict") -> None:
-        """Take in costs measured elsewhere (e.g. a decoupled Ref rank's `ref_fwd`)."""
+        """Take in costs measured elsewhere, in this meter's units (e.g. a decoupled Ref rank's
+        `ref_fwd` per token)."""
         values = other.values if isinstance(other, CostMeter) else other
-        for kind, seconds in values.items():
-            self.observe(kind, seconds)
+        for kind, value in values.items():
+            if kind not in COST_KINDS:
+                raise ValueError(f"unknown cost kind {kind!r}; expected one of {COST_KINDS}")
+            self._fold(kind, value)
 
     def has(self, *kinds: str) -> bool:
         return all(kind in self.values for kind in kinds)
 
-    def times(self, prior: Optional[MicroBatchTimes] = None) -> MicroBatchTimes:
-        """Measured per-micro-batch times; unmeasured ones come from `prior` (error if none)."""
+    def times(self, tokens_per_rank: int, prior: Optional[MicroBatchTimes] = None) -> MicroBatchTimes:
+        """Times of one cost-model micro-batch (`tokens_per_rank` tokens on each actor rank):
+        measured per-token costs scaled up; unmeasured ones from `prior`, which is already per
+        such micro-batch (error if none)."""
         def pick(kind: str, fallback: Optional[float]) -> float:
             if kind in self.values:
-                return self.values[kind]
+                return self.values[kind] * tokens_per_rank
             if fallback is None:
                 raise ValueError(f"no measurement of {kind!r} and no prior")
             return fallback
