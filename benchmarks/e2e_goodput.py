@@ -4,8 +4,11 @@ The same recipe, model, task stream, seeds, rank count and number of consumed gr
 mode, with a long-tailed env latency on (rare slow steps, slow tasks, injected retry turns;
 `--env-latency off` leaves the env instant, so compute alone bounds the run):
 
-- sync (VeRL-like), async_static (AReaL-like) and stream (StreamRL-like) at every split of the
-  ranks the real system allows, and tide (CTB + RA2P);
+- sync (VeRL-like: every rank rolls out, then every rank trains; one configuration), and
+  sync_split (the same turns on a fixed split), async_static (AReaL-like) and stream
+  (StreamRL-like) at every split of the ranks the real system allows, and tide (CTB + RA2P);
+- stream with each of its executors (`--stream-executors`, VSO, VS and CM by default): a user
+  tunes the baseline, so its best executor in each repetition is what tide is compared with;
 - `--reps` repetitions, in alternating order (forward, then reversed), so a drift of the shared
   machine's load does not favour one mode; repetition r runs every mode with seed `--seed + r`
   (a different task stream and different long-tail draws per repetition, the same for every
@@ -55,7 +58,10 @@ LATENCY = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.latenc
 
 
 def splits(mode: str, ranks: int) -> list[dict[str, int]]:
-    """(rollout ranks, reference ranks) the real system runs for `mode` on `ranks` ranks."""
+    """(rollout ranks, reference ranks) the real system runs for `mode` on `ranks` ranks (sync
+    time-shares every rank: its start-up split does not matter)."""
+    if mode == "sync":
+        return [{"rollout": 1, "ref": 0, "actors": ranks - 1}]
     out = []
     for rollout in range(1, ranks):
         for ref in ((0, 1) if mode == "tide" else (0,)):
@@ -70,16 +76,22 @@ def split_name(split: dict[str, int]) -> str:
     return f"r{split['rollout']}f{split['ref']}"
 
 
-def configs(modes: list[str], ranks: int, ers: bool, only: frozenset[str] = frozenset()) -> list[dict]:
-    """Every mode at every split (those named in `only`, when given); with `ers`, tide also with
-    ERS on, starting from every split (ERS moves ranks between rollout and the trainer and
-    re-plans the trainer's layout)."""
+def configs(modes: list[str], ranks: int, ers: bool, only: frozenset[str] = frozenset(),
+            stream_executors: tuple[str, ...] = ("vso",)) -> list[dict]:
+    """Every mode at every split (those named in `only`, when given); stream with each of
+    `stream_executors`; with `ers`, tide also with ERS on, starting from every split (ERS moves
+    ranks between rollout and the trainer and re-plans the trainer's layout)."""
     out = []
     for mode in modes:
         for split in splits(mode, ranks):
-            if only and split_name(split) not in only:
+            if only and split_name(split) not in only and mode != "sync":
                 continue
             label = mode if len(splits(mode, ranks)) == 1 else f"{mode}[{split_name(split)}]"
+            if mode == "stream":
+                for executor in stream_executors:
+                    out.append({"label": label.replace("stream", f"stream/{executor}", 1), "mode": mode, "ers": False,
+                                "executor": executor, **split})
+                continue
             out.append({"label": label, "mode": mode, "ers": False, **split})
             if ers and mode == "tide":
                 out.append({"label": label.replace("tide", "tide+ers", 1), "mode": mode, "ers": True, **split})
@@ -92,7 +104,8 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
                  "metrics.progress=false", "metrics.tensorboard=false", f"run.output_dir={out_dir}",
                  f"scheduler.groups_per_step={args.groups_per_step}", f"run.seed={seed}",
                  f"envs.server.envs.0.latency.seed={seed}", *LATENCY,
-                 *(["ers.enabled=true"] if cfg["ers"] else []), *args.overrides]
+                 *(["ers.enabled=true"] if cfg["ers"] else []),
+                 *([f"ra2p.executor={cfg['executor']}"] if cfg.get("executor") else []), *args.overrides]
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(args.ranks),
            str(REPO / "launch" / "train.py"), *overrides]
     started = time.time()
@@ -108,7 +121,7 @@ def run_one(cfg: dict, args, out_dir: Path, seed: int) -> dict:
     cached = sum(r["prefix_cache/cached_tokens"] for r in rows)
     prompt = sum(r["prefix_cache/prompt_tokens"] for r in rows)
     return {
-        "label": cfg["label"], "mode": cfg["mode"], "ers": cfg["ers"],
+        "label": cfg["label"], "mode": cfg["mode"], "ers": cfg["ers"], "executor": cfg.get("executor"),
         "split": {k: cfg[k] for k in ("actors", "ref", "rollout")},
         "failed": False,
         "steps": len(rows),
@@ -206,7 +219,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="sync,async_static,stream,tide")
+    parser.add_argument("--modes", default="sync,sync_split,async_static,stream,tide")
+    parser.add_argument("--stream-executors", default="vso,vs,colocated",
+                        help="the executors stream runs with (its best per repetition is the baseline)")
     parser.add_argument("--ers", action="store_true", help="also run tide with ers.enabled=true")
     parser.add_argument("--splits", default="",
                         help="comma-separated splits to run, as labelled (r1f1: 1 rollout rank, 1 reference "
@@ -231,7 +246,7 @@ def main() -> int:
     if only - known:
         parser.error(f"--splits {','.join(sorted(only - known))}: not a split of {args.ranks} ranks "
                      f"(those are {','.join(sorted(known))})")
-    cfgs = configs(args.modes.split(","), args.ranks, args.ers, only)
+    cfgs = configs(args.modes.split(","), args.ranks, args.ers, only, tuple(args.stream_executors.split(",")))
     runs: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="e2e_goodput_"))
     try:
@@ -285,12 +300,19 @@ def main() -> int:
 
     tide_labels = [c["label"] for c in cfgs if c["mode"] == "tide"]
     best_tide = max(tide_labels, key=lambda lbl: summary.get(lbl, {}).get("run_goodput_tok_s", 0.0)) if tide_labels else None
-    goals = {"sync": 3.0, "async_static": 1.3, "stream": 2.0}
+    # sync is the paper's synchronous baseline (VeRL-like); sync_split has no goal of its own
+    goals = {"sync": 3.0, "sync_split": None, "async_static": 1.3, "stream": 2.0}
     if best_tide:
         for base, goal in goals.items():
             xs = per_rep(best_tide, best_of(base))
             if xs:
-                ratios[f"tide_vs_best_{base}"] = ratio_record(xs, goal=goal, met=geomean(xs) >= goal)
+                ratios[f"tide_vs_best_{base}"] = ratio_record(
+                    xs, goal=goal, met=None if goal is None else geomean(xs) >= goal)
+    for label in [c["label"] for c in cfgs if c.get("executor")]:  # each stream executor on its own
+        xs = per_rep(best_tide, lambda rep, label=label: next(
+            (r["run_goodput_tok_s"] for r in ok if r["rep"] == rep and r["label"] == label), None)) if best_tide else []
+        if xs:
+            ratios[f"tide_vs_{label}"] = ratio_record(xs, goal=None, met=None)
 
     if any(c["ers"] for c in cfgs):
         # The issue's check: ERS's best against the best static split (tide, ERS off), per repetition.
@@ -318,7 +340,8 @@ def main() -> int:
               f"{s['rwt_plus_twt_s']:>10.1f}{s['wasted_share']:>8.3f}{s['prefix_cache_hit_rate']:>7.3f}"
               f"{s['rank_moves']:>7.1f}{'-' if s['cpu_busy_share'] is None else format(s['cpu_busy_share'], '.3f'):>9}")
     for name, r in ratios.items():
-        print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}; goal {r['goal']}x)")
+        goal = "" if r["goal"] is None else f"; goal {r['goal']}x"
+        print(f"{name}: {r['geomean']}x (per repetition {r['per_rep']}{goal})")
 
     record = {
         **bench_record.header("e2e_goodput", device="cpu", config={

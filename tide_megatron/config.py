@@ -150,9 +150,11 @@ class ClusterConfig:
 class SchedulerConfig:
     """What is rolled out and when it is trained on."""
 
-    mode: str = "sync"
-    """`sync`: roll out a global batch, train, push weights (the VeRL-like baseline).
-    `async_static`: rollout never stops on its fixed ranks, the trainer takes whole global
+    mode: str = "sync_split"
+    """`sync`: every rank time-shares: all roll out a global batch (trainer ranks but rank 0's
+    TP block are lent to rollout), then all train it, then the weights go to every engine (the
+    VeRL-like baseline). `sync_split`: the same turns on a fixed split (`cluster.rollout_ranks`
+    roll out, the others train). `async_static`: rollout never stops on its fixed ranks, the trainer takes whole global
     batches (AReaL-like). `stream`: like async_static, but micro-batches are trained as they
     arrive with a Ref/Actor swap each (StreamRL-like). `tide`: streaming with CTB and RA2P's
     colocated/decoupled choice from RAS and TPRM. See `controller/modes.py`."""
@@ -231,12 +233,13 @@ class RolloutConfig:
 
 @dataclass
 class RA2PJobConfig:
-    """How the trainer runs Ref and Actor in `scheduler.mode=tide`."""
+    """How the trainer runs Ref and Actor in `scheduler.mode=tide` (and `stream`)."""
 
     executor: str = "auto"
     """`auto`: choose colocated or decoupled each step from RAS and TPRM with measured costs;
     or force one: `colocated`, `decoupled`, and the baselines `vs` (vanilla streaming, both
-    models resident) and `vso` (vanilla streaming with model offloading)."""
+    models resident) and `vso` (vanilla streaming with model offloading). In `stream` mode it
+    picks the baseline's executor (`vs`, `vso`, `colocated`; `auto`: vso)."""
     cost_model: RA2PConfig = field(default_factory=RA2PConfig)
     """Constants of the C_dec / C_col comparison; its swap cost is replaced by measurement."""
     prior_ref_fwd_s: float = 0.05
@@ -347,6 +350,11 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         )
     if cfg.ra2p.executor not in RA2P_EXECUTORS:
         raise ValueError(f"ra2p.executor={cfg.ra2p.executor!r}: expected one of {RA2P_EXECUTORS}")
+    if cfg.ra2p.executor != "auto" and cfg.scheduler.mode != "tide" and (
+            cfg.scheduler.mode != "stream" or cfg.ra2p.executor not in ("vs", "vso", "colocated")):
+        raise ValueError(f"ra2p.executor={cfg.ra2p.executor} with scheduler.mode={cfg.scheduler.mode}: the executor "
+                         "is chosen in tide mode (any) and in stream mode (vs, vso or colocated: the streaming "
+                         "baseline at its best); the other modes train whole batches their own way")
     if cfg.cluster.ref_ranks and cfg.scheduler.mode != "tide":
         raise ValueError(f"cluster.ref_ranks > 0 needs scheduler.mode=tide ({cfg.scheduler.mode} colocates the reference)")
     if trainers % cfg.trainer.tp_size:
@@ -364,11 +372,16 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     if cfg.ers.drill_every and not cfg.ers.enabled:
         raise ValueError("ers.drill_every needs ers.enabled=true")
     engine = cfg.rollout.engine
-    if cfg.ers.enabled and cfg.ers.move_ranks and cfg.ers.standby_engines and engine.device != "cpu" and \
-            not engine.extra_args.get("enable_memory_saver"):
-        raise ValueError("ers.standby_engines=true on GPU keeps an SGLang engine on every trainer rank: it needs "
-                         "rollout.engine.extra_args.enable_memory_saver=true (the engine frees its memory while the "
-                         "rank trains), or ers.standby_engines=false (an engine starts when its rank first rolls out)")
+    if engine.device != "cpu" and not engine.extra_args.get("enable_memory_saver"):
+        if cfg.ers.enabled and cfg.ers.move_ranks and cfg.ers.standby_engines:
+            raise ValueError("ers.standby_engines=true on GPU keeps an SGLang engine on every trainer rank: it needs "
+                             "rollout.engine.extra_args.enable_memory_saver=true (the engine frees its memory while "
+                             "the rank trains), or ers.standby_engines=false (an engine starts when its rank first "
+                             "rolls out)")
+        if cfg.scheduler.mode == "sync":
+            raise ValueError("scheduler.mode=sync on GPU time-shares every rank between an SGLang engine and the "
+                             "trainer: it needs rollout.engine.extra_args.enable_memory_saver=true (the engine frees "
+                             "its memory while the rank trains), or scheduler.mode=sync_split (a fixed split)")
     if cfg.ers.drill not in ("layout", "split"):
         raise ValueError(f"ers.drill={cfg.ers.drill!r}: expected 'layout' or 'split'")
     if cfg.ers.drill_every and cfg.ers.drill == "split" and (

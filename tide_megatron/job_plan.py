@@ -13,6 +13,7 @@ import json
 import os
 
 from tide_megatron.config import JobConfig, check_runnable, validate
+from tide_megatron.controller.modes import moves_ranks
 from tide_megatron.core.memory_estimate import (
     GB,
     LinkModel,
@@ -84,12 +85,11 @@ def model_shape(cfg: JobConfig) -> tuple[ModelShape, str]:
 
 
 def plan_request(cfg: JobConfig, nnodes: int, gpus_per_node: int, shape: ModelShape | None = None) -> PlanRequest:
-    ers = cfg.ers
     return PlanRequest(
         nnodes=nnodes, gpus_per_node=gpus_per_node, rollout_ranks=cfg.cluster.rollout_ranks,
         rollout_share=cfg.cluster.rollout_share, ref_ranks=cfg.cluster.ref_ranks, trainer_tp=cfg.trainer.tp_size,
         trainer_pp=cfg.trainer.pp_size, engine_tp=cfg.rollout.engine.tp_size,
-        ers_moves_ranks=ers.enabled and ers.move_ranks,
+        ers_moves_ranks=moves_ranks(cfg),
         num_attention_heads=shape.num_attention_heads if shape else None,
         num_key_value_heads=shape.num_key_value_heads if shape else None)
 

@@ -115,7 +115,8 @@ class Controller:
                                      health=self.rollout.check)
         self.trainer_rank = trainer
         self.roles = TrainerRoles(cfg.ers, topo, mailbox, trainer, cfg.ra2p.cost_model, self.trainer.take,
-                                  rollout=self.rollout, min_rollout_ranks=sched.min_rollout_ranks)
+                                  rollout=self.rollout, min_rollout_ranks=sched.min_rollout_ranks,
+                                  time_share=self.mode.time_shared)
         self._ers_since = time.perf_counter()  # where the window ERS's next plan reads begins
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
         self.unstopped: list[str] = []
@@ -227,6 +228,8 @@ class Controller:
         self.log.step(self.step, self.version, outcome, ras=ras, hol=hol, readiness=readiness,
                       twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
                       checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra={**loan_end, **ers})
+        if ers and self.mode.time_shared:  # lent until the next batch is complete: shown from here
+            self.log.roles_moved()          # (after this step's record, which books its own roles)
 
     def _end_cold_start(self, twt: float) -> tuple[float, dict[str, float]]:
         """The step's data is ready: a cold-start loan ends now (`TrainerRoles.end_cold_start`),

@@ -47,7 +47,7 @@ class StepLog:
         self.timeline.start_run(self._trainer_roles(None))
 
     def roles_moved(self) -> None:
-        """Ranks changed role within a step (a cold-start loan ended): the timeline shows it
+        """Ranks changed role within a step (a loan began or ended): the timeline shows it
         now, not from the step's start, where it books the roles of a boundary's move."""
         for rank, role in sorted(self._trainer_roles(None).items()):
             self.timeline.set_role(rank, role)

@@ -45,6 +45,13 @@ last evaluation's duration rolls out (core's `eval_trainer_ranks`); the next bou
 the evaluation is gathered (no eval task is moved), returns to the reactive plan. A loan is
 outside the one-move-per-step limit both ways, as in the simulator.
 
+Time sharing (`scheduler.mode=sync`, the VeRL-like baseline; no ERS planning): the same loan at
+every step. Before each step's rollout (at cold start, then at each boundary, before the weight
+sync so the lent ranks take the new weights) every trainer rank but rank 0's block rolls out;
+when the step's batch is complete they all come back and the step trains on every whole TP
+block of the world. A rank that rejoins the trainer receives the weights and optimizer state
+from rank 0's DP group each time (it dropped them on leaving): the cost of time sharing here.
+
 `ers.drill_every=N` moves to the next configuration of `ers.drill` every N steps whatever the
 measurements say: a drill that exercises role changes under load in tests and soaks, not a
 policy (and no loan, at cold start or for an evaluation, runs with it).
@@ -61,6 +68,7 @@ from typing import Optional
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import RolesDone
 from tide_megatron.comm.topology import Topology
+from tide_megatron.controller.modes import moves_ranks, time_shared
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
 from tide_megatron.trainer.assignment import TrainerAssignment
@@ -76,34 +84,34 @@ a large model included), and for a rank leaving rollout to drop its tasks."""
 
 def standby_engine_ranks(cfg, trainer_side: list[int]) -> list[int]:
     """The trainer ranks that start an SGLang engine at start-up (`ers.standby_engines`): those
-    ERS may move into rollout, i.e. all but rank 0's TP block (which always trains) when ranks
-    move."""
-    ers = cfg.ers
-    if not (ers.enabled and ers.move_ranks and ers.standby_engines):
+    that may move into rollout, i.e. all but rank 0's TP block (which always trains) when ranks
+    move. A time-shared run always keeps them (its ranks roll out every step)."""
+    if not (time_shared(cfg) or (moves_ranks(cfg) and cfg.ers.standby_engines)):
         return []
     return [r for r in trainer_side if r >= cfg.trainer.tp_size]
 
 
 def may_train(cfg, rank: int, world_size: int) -> bool:
-    """Whether `rank` can ever be on the trainer side: it starts there, or ERS may move it
-    there (it lies in a whole TP block; ranks past the last whole block only roll out)."""
-    ers, tp = cfg.ers, cfg.trainer.tp_size
-    return rank < world_size - cfg.cluster.rollout_ranks or (
-        ers.enabled and ers.move_ranks and rank < world_size // tp * tp)
+    """Whether `rank` can ever be on the trainer side: it starts there, or it may be moved there
+    (it lies in a whole TP block; ranks past the last whole block only roll out)."""
+    tp = cfg.trainer.tp_size
+    return rank < world_size - cfg.cluster.rollout_ranks or (moves_ranks(cfg) and rank < world_size // tp * tp)
 
 
 class TrainerRoles:
     """Rank 0's owner of the role plan (the controller thread only)."""
 
     def __init__(self, ers_cfg, topo: Topology, mailbox: Mailbox, worker: TrainerWorker, ra2p_cfg,
-                 take, rollout=None, min_rollout_ranks: int = 1):
+                 take, rollout=None, min_rollout_ranks: int = 1, time_share: bool = False):
         """`ers_cfg`: `config.ERSJobConfig`; `take(kind, count, timeout_s)`: the trainer
-        driver's reply collector; `rollout`: the rollout service (None: the split is held)."""
+        driver's reply collector; `rollout`: the rollout service (None: the split is held);
+        `time_share`: lend every trainer rank to each step's rollout (module docstring)."""
         self.cfg = ers_cfg
         self.topo, self.mailbox, self.worker, self._take, self.rollout = topo, mailbox, worker, take, rollout
         self.world = topo.world_size
         self.tp = worker.registry.layout.tp_size
-        self.moves_split = bool(ers_cfg.move_ranks and rollout is not None)
+        self.time_share = bool(time_share and rollout is not None)
+        self.moves_split = bool((ers_cfg.move_ranks or self.time_share) and rollout is not None)
         self.ers = ERSController(ERSConfig(enabled=ers_cfg.enabled, max_moves_per_step=1 if self.moves_split else 0,
                                            reclaim="lowest", min_rollout_ranks=min_rollout_ranks,
                                            min_trainer_ranks=self.tp, rank_block=self.tp),
@@ -125,7 +133,23 @@ class TrainerRoles:
 
     @property
     def enabled(self) -> bool:
-        return self.cfg.enabled and (len(self.ranks) >= 2 or self.moves_split)
+        """Roles may change at a boundary (ERS, or time sharing)."""
+        return self.time_share or (self.cfg.enabled and (len(self.ranks) >= 2 or self.moves_split))
+
+    def _whole_world_plan(self) -> RolePlan:
+        """Time sharing's training split: every whole TP block trains (colocated)."""
+        trainers = self.world // self.tp * self.tp
+        roles = {r: Role.ACTOR_REF if r < trainers else Role.ROLLOUT for r in range(self.world)}
+        return RolePlan(roles, RA2PMode.COLOCATED, reason="time sharing: every rank trains", step=-1)
+
+    def _lend_for_rollout(self, step: int, reason: str) -> dict[str, float]:
+        """Time sharing: every trainer rank but rank 0's block rolls out until the step's batch
+        is complete (`end_cold_start` brings them back)."""
+        train = self._whole_world_plan()
+        loan = self.ers.preemptive_plan(train, keep_trainer_ranks=self.tp, reason=reason)
+        out = self._carry_out(loan, step, reactive=train)
+        self._cold_start_loan = self.ranks != train.trainer_ranks
+        return out
 
     # -- plan <-> assignment ------------------------------------------------------------------
     def _plan_of(self, a: TrainerAssignment) -> RolePlan:
@@ -181,6 +205,10 @@ class TrainerRoles:
         `end_cold_start` ends (or, failing that, the first boundary). Returns metrics (empty
         when not lent).
         The caller sends the weights next, so the lent ranks enter rollout service."""
+        if self.time_share:
+            out = self._lend_for_rollout(0, "time sharing: the first step's rollout")
+            self.rollout_resized = False
+            return out
         if not (self.enabled and self.moves_split and self.cfg.preemptive_cold_start and not self.cfg.drill_every):
             return {}
         loan = self.ers.preemptive_plan(self.plan, keep_trainer_ranks=self.ers.config.min_trainer_ranks,
@@ -203,7 +231,8 @@ class TrainerRoles:
             self.rollout.returning(r) for r in lent)), timeout_s, f"lent rank(s) {lent} to load the first weights")
         # The loan's end is not a rollout scale-down to retain data for: the step that opened
         # was sized under it, and the next is the split ERS planned from (as in the simulator).
-        back = dataclasses.replace(self.plan, reason="the cold-start loan ends: the first step's data is ready")
+        back = dataclasses.replace(self.plan, reason="time sharing: the step's batch is complete, every rank trains"
+                                   if self.time_share else "the cold-start loan ends: the first step's data is ready")
         out = self._carry_out(back, step, retain=False)
         return {"ers/cold_start_end_s": out["ers/role_change_s"]} if "ers/role_change_s" in out else {}
 
@@ -217,6 +246,8 @@ class TrainerRoles:
         if not self.enabled:
             return {}
         self._cold_start_loan = False  # a loan still in force ends at this boundary
+        if self.time_share:
+            return self._lend_for_rollout(step, f"time sharing: step {step + 1}'s rollout")
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
         self.rollout_resized = False  # read into `m`; the next window starts with this plan's moves

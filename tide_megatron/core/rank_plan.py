@@ -59,7 +59,8 @@ class PlanRequest:
     engine_tp: int = 1
     """`rollout.engine.tp_size`: GPUs per SGLang engine."""
     ers_moves_ranks: bool = False
-    """ERS may move ranks between rollout and the trainer (`ers.enabled` and `ers.move_ranks`)."""
+    """Ranks may move between rollout and the trainer (`ers.enabled` and `ers.move_ranks`, or
+    `scheduler.mode=sync`, which time-shares them)."""
     num_attention_heads: int | None = None
     """The model's query heads, if known: TP must divide them."""
     num_key_value_heads: int | None = None

@@ -108,6 +108,8 @@ class Simulator:
         self.G = wl.group_size
         self.B = wl.batch_groups * wl.group_size
         self.tide = self.mode == "tide"
+        self.continuous_rollout = self.mode not in ("sync", "sync_split")
+        """Tasks are offered as the staleness window allows; else each step submits its batch."""
         self.elastic = self.tide and sched.ers
         self.ra2p_cfg = RA2PConfig(tokens_per_rank=sched.microbatch_tokens, actors_per_ref=sched.ref_actor_ratio)
         self.costs = TrainerCosts(self.hw, self.gpus_per_rank, stats["total_tokens"])
@@ -179,7 +181,7 @@ class Simulator:
         s = self.cfg.scheduler
         if self.mode == "tide":
             return "tide" + ("+ra2p" if s.ra2p else "") + ("+ers" if s.ers else "") + ("+ctb" if s.ctb else "")
-        if self.mode in ("async_static", "stream", "elastic"):
+        if self.mode in ("sync_split", "async_static", "stream", "elastic"):
             return f"{self.mode}@{s.rollout_share:g}"
         return self.mode
 
@@ -212,7 +214,7 @@ class Simulator:
         """A step starts: its consumption window reopens (the feed refills it)."""
         self.taken_this_step = 0
         self.step_started_at = now
-        if self.mode != "sync":
+        if self.continuous_rollout:
             self.feed()
         self._slots_changed()
         self._consumed_kick()
@@ -287,7 +289,7 @@ class Simulator:
                 if self.window is not None and self._slots_full_since is None:
                     self.window.fresh_tokens += tokens
         self.loop.notify()
-        if self.mode != "sync":
+        if self.continuous_rollout:
             self.feed()
 
     def _left(self, admitted: bool, n: int = 1) -> None:
@@ -468,7 +470,8 @@ class Simulator:
         self.cluster.flush_all(self.loop.now, 0.0)  # the rollout ranks stalled with the trainer
         if eval_next:
             self.start_eval_phase()
-        self.feed()
+        if self.continuous_rollout:
+            self.feed()
         rec = StepRecord(step=step, start=start, end=self.loop.now, trajectories=consumed, tokens=tokens,
                          rollout_ranks=len(self.cluster.active), trainer_ranks=self.trainer_ranks,
                          ras=readiness.ras, tprm_s=readiness.tprm_s, eval_wait_s=eval_wait, **figures, **extra)

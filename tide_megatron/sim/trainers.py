@@ -19,7 +19,7 @@ from tide_megatron.sim.verl_elastic import VerlElasticPolicy
 
 def process_for(sim):
     """The trainer generator of `sim`'s mode."""
-    return {"sync": run_sync, "async_static": run_barrier, "stream": run_stream, "tide": run_stream,
+    return {"sync": run_sync, "sync_split": run_sync_split, "async_static": run_barrier, "stream": run_stream, "tide": run_stream,
             "elastic": run_elastic}[sim.mode](sim)
 
 
@@ -73,6 +73,26 @@ def run_sync(sim):
             tokens=batch.generated_tokens, rollout_ranks=sim.n_ranks, trainer_ranks=sim.n_ranks,
             ras=0.0, tprm_s=0.0, eval_wait_s=0.0, rollout_s=rollout_end - start, train_s=busy,
             ra2p_mode="colocated", **figures))
+
+
+def run_sync_split(sim):
+    """Synchronous on a fixed split (`sync_split`): the rollout ranks roll out the step's global
+    batch, then the trainer ranks train it (Ref over the batch, Actor; both resident) while
+    rollout idles; the weights go out; no rank changes side."""
+    rollout, sim.trainer_ranks = sim.static_split()
+    sim.set_rollout(rollout, 0.0)
+    sim.record_roles(mode="colocated")
+    for step in range(sim.cfg.steps):
+        start = sim.loop.now
+        sim.begin_step(start)
+        sim.submit(sim.new_groups(sim.cfg.workload.batch_groups))
+        wait, batch = yield from wait_batch(sim, lambda: sim.ready_trajectories >= sim.B)
+        rollout_end = sim.loop.now
+        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg, swaps=0)
+        yield dur
+        yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
+                                   dict(rollout_s=rollout_end - start, train_s=dur, wait_s=wait,
+                                        ra2p_mode="colocated"))
 
 
 def run_barrier(sim):

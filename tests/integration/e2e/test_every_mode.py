@@ -36,13 +36,18 @@ def check(rows: list[dict], steps: int, groups: int) -> None:
     assert rows[-1]["ledger/wasted"] <= 0.02 * rows[-1]["ledger/generated"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async_static", "stream", "tide"])
+@pytest.mark.parametrize("mode", ["sync", "sync_split", "async_static", "stream", "tide"])
 def test_every_mode_trains(tmp_path, mode):
     rows = train(tmp_path, 2, f"scheduler.mode={mode}", "run.steps=3")
     check(rows, 3, 4)
     assert {r["mode"] for r in rows} == {mode}
-    if mode == "sync":
+    if mode in ("sync", "sync_split"):
         assert all(r["staleness/max"] == 0 for r in rows)
+        # sync time-shares: rank 1 rolls out each batch, then trains it beside rank 0
+        assert [r["trainer/dp_size"] for r in rows] == ([2] * 3 if mode == "sync" else [1] * 3)
+    if mode == "sync":
+        spans = json.loads((tmp_path / "timeline.json").read_text())["ranks"]["1"]
+        assert [s["role"] for s in spans] == ["rollout", "actor_ref"] * 3
     if mode == "stream":
         assert all(r["ra2p/num_swaps"] >= 2 for r in rows)  # a Ref/Actor alternation per micro-batch
     if mode == "tide":

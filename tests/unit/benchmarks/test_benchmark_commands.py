@@ -94,6 +94,16 @@ def test_e2e_goodput_runs_only_the_splits_named(launched, monkeypatch, tmp_path)
         run_script("e2e_goodput", monkeypatch, "--ranks", "4", "--modes", "tide", "--splits", "r3f1")
 
 
+def test_e2e_goodput_runs_stream_with_each_executor_and_sync_once(launched, monkeypatch, tmp_path):
+    """stream is tuned like a user would: one run per executor (its best is the baseline); sync
+    time-shares every rank, so its start-up split is run once."""
+    assert run_script("e2e_goodput", monkeypatch, "--ranks", "3", "--modes", "sync,stream", "--reps", "1",
+                      "--out", str(tmp_path / "e2e.json")) == 1
+    assert [(j.scheduler.mode, j.ra2p.executor, j.cluster.rollout_ranks) for _, j in launched] == [
+        ("sync", "auto", 1), ("stream", "vso", 1), ("stream", "vs", 1), ("stream", "colocated", 1),
+        ("stream", "vso", 2), ("stream", "vs", 2), ("stream", "colocated", 2)]
+
+
 def test_e2e_goodput_keeps_the_long_tailed_env_latency_by_default(launched, monkeypatch, tmp_path):
     assert run_script("e2e_goodput", monkeypatch, "--ranks", "2", "--modes", "sync", "--reps", "1",
                       "--out", str(tmp_path / "e2e.json")) == 1

@@ -354,3 +354,54 @@ def test_no_evaluation_loan_when_turned_off_or_during_a_drill():
                             kv_used_fraction=0.0)
         out = roles.after_update(1, m, MicroBatchTimes(0.05, 0.05, 0.1), expected_eval_s=100.0)
         assert out.get("ers/lent_ranks", 0) == 0 and worker.applied == []
+
+
+def test_time_sharing_lends_every_rank_but_rank_0s_block_for_each_rollout_and_trains_on_all():
+    """scheduler.mode=sync (VeRL-like): before each step's rollout every trainer rank but rank
+    0's TP block rolls out (the boundary's lend comes before the weight sync, so the lent ranks
+    take the new weights); when the batch is complete every whole TP block of the world trains,
+    the start-up rollout ranks included. No ERS planning is involved (ERS is off)."""
+    layout = GroupLayout(5, 2)  # TP blocks {0,1} {2,3}; rank 4 is in no whole block: it only rolls out
+    topo = SimpleNamespace(trainer_ranks=[0, 1], ref_ranks=[], rollout_ranks=[2, 3, 4], world_size=5)
+    worker = FakeWorker(layout, TrainerAssignment.at_startup(layout, [0, 1], []))
+    worker.needs_ref = True
+    events: list = []
+    mailbox = FakeMailbox()
+    mailbox.post = lambda dest, msg: events.append((msg.KIND, dest))
+    rollout = FakeRollout([2, 3, 4], events)
+    roles = TrainerRoles(ERSJobConfig(enabled=False), topo, mailbox, worker, RA2PConfig(),
+                         take=lambda kind, count, timeout_s: [RolesDone("actor", {"total_s": 0.1})] * count,
+                         rollout=rollout, time_share=True)
+    assert roles.enabled and roles.moves_split
+    roles.cold_start()  # rank 0's block already is the whole trainer: nothing moves
+    assert roles.ranks == [0, 1] and roles.plan.trainer_ranks == [0, 1, 2, 3]
+    for step in range(1, 4):
+        events.clear()
+        roles.end_cold_start(step, timeout_s=1.0)  # the batch is complete; nothing to retain for
+        assert [e for e in events if e[0] == "move_to_trainer"] == [("move_to_trainer", 2, "no retention"),
+                                                                    ("move_to_trainer", 3, "no retention")]
+        assert worker.assignment == TrainerAssignment(layout, 2, (), actors_hold_ref=True)
+        events.clear()
+        out = roles.after_update(step, window(), MicroBatchTimes(0.05, 0.05, 0.1))
+        assert [e for e in events if e[0] == "return_to_rollout"] == [("return_to_rollout", 2),
+                                                                       ("return_to_rollout", 3)]
+        assert roles.ranks == [0, 1] and out["ers/lent_ranks"] == 2
+    assert roles.end_cold_start(4, timeout_s=1.0)["ers/cold_start_end_s"] >= 0
+
+
+def test_sync_time_shares_and_needs_the_memory_saver_on_gpu_sync_split_does_not():
+    from tide_megatron.config import JobConfig, validate
+    from tide_megatron.controller.trainer_roles import may_train, standby_engine_ranks
+
+    cfg = JobConfig()
+    cfg.scheduler.mode = "sync"
+    assert standby_engine_ranks(cfg, [0, 1, 2]) == [1, 2] and all(may_train(cfg, r, 4) for r in range(4))
+    cfg.scheduler.mode = "sync_split"
+    assert standby_engine_ranks(cfg, [0, 1, 2]) == [] and not may_train(cfg, 3, 4)
+    cfg.rollout.engine.device = "cuda"
+    validate(cfg, 4)
+    cfg.scheduler.mode = "sync"
+    with pytest.raises(ValueError, match="scheduler.mode=sync on GPU .*enable_memory_saver"):
+        validate(cfg, 4)
+    cfg.rollout.engine.extra_args = {"enable_memory_saver": True}
+    validate(cfg, 4)

@@ -34,7 +34,7 @@ def compose_job():
 def test_no_recipe_is_the_tiny_cpu_run(compose_job):
     job = compose_job()
     assert isinstance(job, JobConfig)
-    assert job.run.name == "tiny_cpu" and job.scheduler.mode == "sync" and job.rollout.engine.device == "cpu"
+    assert job.run.name == "tiny_cpu" and job.scheduler.mode == "sync_split" and job.rollout.engine.device == "cpu"
     assert job.run.output_dir == "outputs/tiny_cpu"  # interpolation resolved
 
 
@@ -94,10 +94,21 @@ def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     ("scheduler.mode=fast", 2, "scheduler.mode='fast'"),
     ("scheduler.min_groups_per_step=9", 2, "scheduler.min_groups_per_step=9: expected 0"),
     ("scheduler.groups_per_step=0", 2, "scheduler.groups_per_step=0: a step trains at least one group"),
+    ("ra2p.executor=vs", 2, "ra2p.executor=vs with scheduler.mode=sync_split"),
+    ("scheduler.mode=stream ra2p.executor=decoupled", 2, "ra2p.executor=decoupled with scheduler.mode=stream"),
 ])
 def test_validate_names_the_offending_keys(compose_job, override, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        validate(compose_job(override), world)
+        validate(compose_job(*override.split()), world)
+
+
+@pytest.mark.parametrize("executor,runs", [("auto", "vso"), ("vs", "vs"), ("vso", "vso"), ("colocated", "colocated")])
+def test_the_stream_baseline_runs_the_executor_it_is_tuned_to(compose_job, executor, runs):
+    from tide_megatron.controller.modes import mode_policy
+
+    cfg = compose_job("scheduler.mode=stream", f"ra2p.executor={executor}")
+    validate(cfg, 2)
+    assert mode_policy("stream", ra2p_executor=cfg.ra2p.executor).executor == runs
 
 
 def test_cfg_job_prints_the_composed_real_recipe():

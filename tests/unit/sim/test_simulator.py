@@ -5,7 +5,7 @@ import pytest
 from tide_megatron.sim import run_simulation
 from tide_megatron.sim.simulator import Simulator
 
-MODES = [("sync",), ("async_static",), ("stream",), ("elastic",), ("tide",),
+MODES = [("sync",), ("sync_split",), ("async_static",), ("stream",), ("elastic",), ("tide",),
          ("tide", "scheduler.ers=false", "scheduler.ctb=false")]
 
 
@@ -60,6 +60,19 @@ def test_sync_has_a_global_barrier(small_config):
         assert any(t.end_time <= s for s in starts)
     phases = [r[4] for r in m.roles]
     assert phases[1:: 2] == ["sync-train"] * len(m.steps)
+
+
+def test_sync_split_takes_turns_on_a_fixed_split(small_config):
+    """sync_split: the rollout ranks roll out the global batch, then the trainer ranks train it;
+    no rank changes side, and no trajectory of a step runs past that step's rollout phase."""
+    sim = Simulator(small_config("mode=sync_split", "scheduler.rollout_share=0.375"))
+    m = sim.run()
+    assert len(m.roles) == 1 and m.role_changes == 0
+    assert all(s.trajectories == sim.B and s.rollout_ranks == 3 and s.trainer_ranks == 5 for s in m.steps)
+    assert all(s.rollout_s > 0 and s.train_s > 0 for s in m.steps)
+    ends = [s.start + s.rollout_s for s in m.steps]
+    for t in sim.consumed_trajs:
+        assert any(t.end_time <= e for e in ends)
 
 
 def test_verl_like_peer_lends_trainer_ranks_and_takes_them_back(small_config):
