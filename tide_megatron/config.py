@@ -19,6 +19,8 @@ from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resour
 from tide_megatron.trainer.config import TrainerConfig
 
 RESUME_MODES = ("auto", "true", "false")
+METRIC_LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+WANDB_MODES = ("", "online", "offline", "disabled")
 RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
 
 
@@ -154,10 +156,11 @@ class SchedulerConfig:
     """`sync`: every rank time-shares: all roll out a global batch (trainer ranks but rank 0's
     TP block are lent to rollout), then all train it, then the weights go to every engine (the
     VeRL-like baseline). `sync_split`: the same turns on a fixed split (`cluster.rollout_ranks`
-    roll out, the others train). `async_static`: rollout never stops on its fixed ranks, the trainer takes whole global
-    batches (AReaL-like). `stream`: like async_static, but micro-batches are trained as they
-    arrive with a Ref/Actor swap each (StreamRL-like). `tide`: streaming with CTB and RA2P's
-    colocated/decoupled choice from RAS and TPRM. See `controller/modes.py`."""
+    roll out, the others train). `async_static`: rollout never stops on its fixed ranks, the
+    trainer takes whole global batches (AReaL-like). `stream`: like async_static, but
+    micro-batches are trained as they arrive with a Ref/Actor swap each (StreamRL-like).
+    `tide`: streaming with CTB and RA2P's colocated/decoupled choice from RAS and TPRM. See
+    `controller/modes.py`."""
     groups_per_step: int = 4
     """GRPO groups in one global batch."""
     min_groups_per_step: int = 0
@@ -301,10 +304,34 @@ class ERSJobConfig:
 class MetricsConfig:
     """Where step metrics go."""
 
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """The metric sinks, any of `jsonl` (`output_dir/metrics.jsonl`), `tensorboard`
+    (`output_dir/tensorboard`), `wandb` (Weights & Biases, `pip install wandb`) and `mlflow`
+    (`pip install mlflow-skinny`): `metrics.loggers=[jsonl,tensorboard,wandb]`. W&B and MLflow
+    get the same numeric metrics as TensorBoard, the resolved config and git commit, the role
+    timeline image and the run's faults as `events/<kind>` (README, "Metrics")."""
     jsonl: bool = True
-    """Append one JSON line per step to `output_dir/metrics.jsonl`."""
+    """False turns `metrics.jsonl` off even when `loggers` names it (the older switch)."""
     tensorboard: bool = True
-    """Write TensorBoard scalars to `output_dir/tensorboard`."""
+    """False turns TensorBoard off even when `loggers` names it (the older switch:
+    `metrics.tensorboard=false` still works)."""
+    run_name: str = ""
+    """The run's name in W&B and MLflow; empty: `run.name`."""
+    wandb_project: str = "tide-megatron"
+    """W&B project of the run (`wandb` in `loggers`)."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty: the logged-in user's default."""
+    wandb_mode: str = ""
+    """`online`, `offline` or `disabled`; empty: the `WANDB_MODE` environment variable if set,
+    else `offline` (the run is written under `output_dir/wandb`; `wandb sync` uploads it), so
+    nothing leaves the machine unless asked. A resumed job continues the same W&B run (its id
+    is kept in `output_dir/wandb_run_id.txt`)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server or store (`mlflow` in `loggers`); empty: `file:<output_dir>/mlruns`
+    (`mlflow ui --backend-store-uri file:<output_dir>/mlruns` shows it). A resumed job continues
+    the same MLflow run (its id is kept in `output_dir/mlflow_run_id.txt`)."""
+    mlflow_experiment: str = "tide-megatron"
+    """MLflow experiment the run goes into (made if missing)."""
     progress: bool = True
     """Show a progress bar on rank 0's console."""
     timeline: bool = True
@@ -313,6 +340,12 @@ class MetricsConfig:
     timeline_every: int = 10
     """Rewrite the timeline every this many steps (and at every checkpoint and the run's end),
     so a crashed run leaves one; 0: at checkpoints and the end only."""
+
+    @property
+    def active_loggers(self) -> list[str]:
+        """`loggers` without duplicates and without those their switch turns off."""
+        off = {name for name, on in (("jsonl", self.jsonl), ("tensorboard", self.tensorboard)) if not on}
+        return [name for name in dict.fromkeys(self.loggers) if name not in off]
 
 
 @dataclass
@@ -335,6 +368,13 @@ class JobConfig:
 
 def validate(cfg: JobConfig, world_size: int) -> None:
     """Checks that need more than one field; raises ValueError naming the keys."""
+    unknown = [name for name in cfg.metrics.loggers if name not in METRIC_LOGGERS]
+    if unknown:
+        raise ValueError(f"metrics.loggers={list(cfg.metrics.loggers)}: unknown logger(s) {unknown}; "
+                         f"expected any of {METRIC_LOGGERS}")
+    if cfg.metrics.wandb_mode not in WANDB_MODES:
+        raise ValueError(f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: expected one of {WANDB_MODES} "
+                         "(empty: WANDB_MODE from the environment, else offline)")
     if cfg.run.resume_mode not in RESUME_MODES:
         raise ValueError(f"run.resume={cfg.run.resume!r}: expected one of {RESUME_MODES} "
                          "(auto: continue from the newest checkpoint if there is one, else start fresh)")

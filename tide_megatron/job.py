@@ -74,6 +74,9 @@ class Job:
     def _setup_rank0(self) -> None:
         try:
             cfg = self.cfg
+            from tide_megatron.utils.metric_sinks import check_available
+
+            check_available(cfg.metrics.active_loggers)  # a missing wandb / mlflow fails here, not after start-up
             os.makedirs(cfg.run.output_dir, exist_ok=True)
             with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
                 json.dump(redact_secrets(dataclasses.asdict(cfg)), f, indent=2)
@@ -216,14 +219,23 @@ class Job:
         trainer, start_step = self._trainer_worker()
         run = self.cfg.run
         from tide_megatron.controller.loop import Controller
+        from tide_megatron.utils.metric_sinks import SinkSettings
         from tide_megatron.utils.metrics import MetricsLogger
 
-        metrics = MetricsLogger(run.output_dir, run.steps, start_step, jsonl=self.cfg.metrics.jsonl,
-                                tensorboard=self.cfg.metrics.tensorboard, progress=self.cfg.metrics.progress,
-                                resume_step=start_step if self.continues_earlier_run else None)
+        # a restart before the first checkpoint finds the earlier attempt's records (dropped below)
+        earlier = os.path.join(run.output_dir, "metrics.jsonl")
+        restarted = self.continues_earlier_run and os.path.isfile(earlier) and os.path.getsize(earlier) > 0
+        metrics = MetricsLogger(run.output_dir, run.steps, start_step, progress=self.cfg.metrics.progress,
+                                resume_step=start_step if self.continues_earlier_run else None,
+                                loggers=self.cfg.metrics.active_loggers,
+                                sink_settings=SinkSettings.from_config(self.cfg.metrics, run.name),
+                                run_config=redact_secrets(dataclasses.asdict(self.cfg)))
         self._closers.append(metrics)
         if start_step:
             metrics.write(f"resumed from step {start_step}")
+            metrics.event("resume", f"resumed from the checkpoint of step {start_step} ({self.resume_path})")
+        elif restarted:
+            metrics.event("resume", "restarted from scratch (no checkpoint yet)")
         eval_tasks = self._list_tasks("eval") if self.cfg.scheduler.eval_every else []
         controller = Controller(self.cfg, self.topo, self.mailbox, trainer, metrics, self._list_tasks(), start_step,
                                 eval_tasks=eval_tasks)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from tide_megatron.comm.messages import TaskCancelled, TaskCarried
 from tide_megatron.controller import ledger_keys
@@ -47,6 +47,8 @@ class Handover:
         self.min_rollout_ranks = min_rollout_ranks
         self.hand_over_tasks = hand_over_tasks and placement.hands_over
         self._handing_over: dict[str, int] = {}  # task -> the rank leaving rollout that hands it over
+        self.notify: Callable[[str, str], None] = lambda kind, text: None
+        """`notify(kind, text)`: a fault for the metric sinks (`MetricsLogger.event`; quarantines)."""
 
     # -- quarantine -------------------------------------------------------------------------
     def quarantine_rank(self, rank: int, reason: str, now: float) -> None:
@@ -60,6 +62,7 @@ class Handover:
             retried += self.groups.fail_with_rank(tid, rank, now)
         logger.warning("quarantined rollout rank %d: %s; %d task(s) taken back (%d retried on other ranks, "
                        "%d tokens booked as failed)", rank, reason, len(task_ids), retried, written_off)
+        self.notify("quarantine", f"rollout rank {rank} quarantined: {reason}; {len(task_ids)} task(s) taken back")
         left = self.quarantine.serving
         if len(left) < self.min_rollout_ranks:
             raise RunError(f"{reason}; {len(left)} rollout rank(s) left in service, fewer than "

@@ -83,6 +83,8 @@ class Quarantine:
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.out: dict[int, OutOfService] = {}
         self.counts = {"quarantines": 0, "rejoins": 0, "moves_out": 0, "moves_in": 0}
+        self.notify: Callable[[str, str], None] = lambda kind, text: None
+        """`notify(kind, text)`: a fault for the metric sinks (`MetricsLogger.event`; the rejoins)."""
         self._epochs = 0
         self._sends: dict[tuple[int, int], Any] = {}  # (rank, version) -> its unconfirmed Send
         self._deadlines: dict[tuple[int, int], float] = {}  # sends still bounded (rank not out)
@@ -156,6 +158,7 @@ class Quarantine:
                 else:
                     logger.warning("rollout rank %d rejoined with the weights of version %d; tasks are dispatched "
                                    "to it again", msg.src, msg.version)
+                    self.notify("rejoin", f"rollout rank {msg.src} rejoined with the weights of version {msg.version}")
             return True
         if isinstance(msg, AllCancelled):
             if self.drained(msg.src, msg.epoch) and self.out[msg.src].kind == "quarantine":

@@ -92,6 +92,7 @@ class RolloutService(threading.Thread):
         self._rng = random.Random(seed)  # the task sampler's (run_state saves and restores it)
         self._stopping = threading.Event()
         self._calls = CallQueue()
+        self._notify: Callable[[str, str], None] = lambda kind, text: None  # set_event_sink
         self.quarantine = Quarantine(rollout_ranks, placement=placement, health=health, ledger=buffer.ledger,
                                      mailbox=mailbox, weight_sender=weight_sender,
                                      weight_sync_timeout_s=weight_sync_timeout_s)
@@ -176,6 +177,11 @@ class RolloutService(threading.Thread):
             self._calls.fail_all(lambda: RunError(why))  # each waiter its own error
             self.step.fail(RunError(why))
 
+    def set_event_sink(self, notify: Callable[[str, str], None]) -> None:
+        """`notify(kind, text)` hears of faults as they happen (`MetricsLogger.event`): engine
+        restarts, quarantines, rejoins. Called from this service's thread."""
+        self._notify = self.handover.notify = self.quarantine.notify = notify
+
     def _rollout_started(self) -> bool:
         """Every start-up rank's engine is up: the staleness clock starts with rollout."""
         if not self._all_started:
@@ -209,6 +215,10 @@ class RolloutService(threading.Thread):
                 self.health.on_heartbeat(msg.src, msg, now)
                 self._reconcile()
             elif isinstance(msg, RankReady):
+                before = self.engines[msg.src].restarts if msg.src in self.engines else 0
+                if msg.engine.restarts > before:  # its engine died and started again
+                    self._notify("engine_restart", f"rollout rank {msg.src} restarted its engine "
+                                 f"(restart {msg.engine.restarts})")
                 self.engines[msg.src] = msg.engine
                 self.placement.engine_ready(msg.src, msg.engine.kv_tokens, msg.engine.request_rows)
                 self.health.add_rank(msg.src, now)

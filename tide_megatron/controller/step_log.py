@@ -37,12 +37,16 @@ class StepLog:
         self._idle: dict[int, float] = {}
         self._generated_before = 0
         self.timeline = TimelineLog(metrics.output_dir, rollout.mode.name, enabled=cfg.metrics.timeline,
-                                    every=cfg.metrics.timeline_every, resume_step=metrics.resume_step)
+                                    every=cfg.metrics.timeline_every, resume_step=metrics.resume_step,
+                                    on_png=lambda path, step: metrics.image("timeline", path, step))
         """Every rank's role over time and each step's waits: `timeline.set_role` records a move."""
+        rollout.set_event_sink(metrics.event)  # quarantines, rejoins, engine restarts (rollout thread)
+        self._retries_before: Optional[int] = None
 
     def start_run(self) -> None:
         """The first dispatch: the run's wall clock starts here (engine start-up excluded)."""
         self._run_start = time.monotonic()
+        self._retries_before = self.rollout.counters.get("retries", 0)  # (restored counters of a resumed run)
         self.metrics.mark_run_start()
         self.timeline.start_run(self._trainer_roles(None))
 
@@ -154,4 +158,9 @@ class StepLog:
             ref_ranks=len(outcome.assignment.ref_ranks) if decoupled else 0),
             self._trainer_roles(outcome.mode, outcome.assignment), checkpointed=checkpoint_s > 0)
         record.update(extra or {})
+        retries = int(counters.get("retries", 0))
+        if self._retries_before is not None and retries > self._retries_before:
+            self.metrics.event("retry_burst", f"{retries - self._retries_before} task attempt(s) retried during "
+                               f"step {step}", step=step)
+        self._retries_before = retries
         self.metrics.log(step, record)  # last: a test's fault injection may end the process here

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from tide_megatron.core.roles import RA2PMode, Role
 from tide_megatron.utils.timeline import IDLE, Timeline, TimelineStep, plot_timeline
@@ -51,9 +51,12 @@ def trainer_side_roles(trainer_ranks: list[int], ref_ranks: list[int], mode: Opt
 
 class TimelineLog:
     def __init__(self, output_dir: str, label: str, *, enabled: bool = True, every: int = 10,
-                 resume_step: Optional[int] = None):
-        """`resume_step`: as `MetricsLogger`'s (None: a fresh run)."""
+                 resume_step: Optional[int] = None, on_png: Optional[Callable[[str, Optional[int]], None]] = None):
+        """`resume_step`: as `MetricsLogger`'s (None: a fresh run). `on_png(path, step)`: called
+        (in the writer's thread) each time `timeline.png` is rewritten, with the timeline's last
+        step (`MetricsLogger.image`: W&B and MLflow show it)."""
         self.enabled, self.every = enabled, every
+        self.on_png = on_png
         self.json_path = os.path.join(output_dir, JSON_NAME)
         self.png_path = os.path.join(output_dir, PNG_NAME)
         self.resume_step = resume_step
@@ -132,6 +135,11 @@ class TimelineLog:
         plot_timeline(timeline, tmp)
         os.replace(tmp, self.png_path)
         self.written_png = True
+        if self.on_png is not None:
+            try:  # a viewer's copy: its failure is not the PNG's
+                self.on_png(self.png_path, timeline.steps[-1].step if timeline.steps else None)
+            except Exception:
+                logger.exception("timeline.png hook failed")
 
     def _attempt(self, what: str, write) -> None:
         if what in self._broken:
