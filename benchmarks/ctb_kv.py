@@ -15,7 +15,8 @@ a GRPO group after the first, the group's shared prompt.
 Each run records where time goes (`Timeline`: per task admission wait / env / paused / in-engine
 generate; per engine busy time, requests in flight, estimated prefill share). The KV pool is
 --pool-fraction (0.3) of the peak live context per engine, measured first in a vanilla run with an
-ample pool (own process); the modes then run in --pairs pairs of alternating order.
+ample pool (own process); the modes then run in --pairs pairs of alternating order. The JSON's
+top-level figures (ratios, modes) are geometric means over all pairs; each pair's own are in 'pairs'.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py            # ~8 min on 2 cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ctb_kv.py --tasks 32 --no-write   # quick
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -91,6 +93,43 @@ def summarize(name: str, trajectories: list, wall_s: float, dispatcher) -> dict:
         "engine_reports": {str(r): {k: v for k, v in rep.items() if k != "hooks_called"}
                            for r, rep in dispatcher.rank_kv.items()},
     }
+
+
+PAIR_KEYS = ("hit_rate", "ideal_hit_rate", "gen_tokens_per_s", "step_duration_s", "pauses")
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values and min(values) > 0 else float("nan")
+
+
+def pair_figures(pairs: list) -> tuple:
+    """(figures, per_pair) of the vanilla/CTB pairs (each {"vanilla": summary, "ctb": summary}).
+
+    per_pair: each pair's order, both modes' main figures and its CTB/vanilla ratios. figures:
+    the geometric mean over every pair of each ratio (hit_rate_x, throughput_x, step_duration_x,
+    ctb_hit_vs_ideal) and of each mode's figures: no single pair (one may have hit a load spike
+    of the shared machine) stands for the run."""
+    per_pair = []
+    for i, pr in enumerate(pairs):
+        v, c = pr["vanilla"], pr["ctb"]
+        per_pair.append({
+            "order": "vanilla,ctb" if i % 2 == 0 else "ctb,vanilla",
+            **{mode: {k: pr[mode][k] for k in PAIR_KEYS} for mode in ("vanilla", "ctb")},
+            "hit_rate_x": c["hit_rate"] / v["hit_rate"] if v["hit_rate"] else float("inf"),
+            "throughput_x": c["gen_tokens_per_s"] / v["gen_tokens_per_s"],
+            "step_duration_x": c["step_duration_s"] / v["step_duration_s"],
+            "ctb_hit_vs_ideal": c["hit_rate"] / c["ideal_hit_rate"] if c["ideal_hit_rate"] else 0.0,
+        })
+    ratios = {k: geomean(pp[k] for pp in per_pair)
+              for k in ("hit_rate_x", "throughput_x", "step_duration_x", "ctb_hit_vs_ideal")}
+    modes = {mode: {k: geomean(pp[mode][k] for pp in per_pair) for k in PAIR_KEYS if k != "pauses"}
+             for mode in ("vanilla", "ctb")}
+    for mode in modes:
+        modes[mode]["pauses_mean"] = sum(pp[mode]["pauses"] for pp in per_pair) / len(per_pair)
+    aggregate = (f"geometric mean over all {len(per_pair)} pairs (pauses: arithmetic mean); "
+                 "each pair's figures and full records under 'pairs'")
+    return {"ratios": ratios, "modes": modes, "aggregate": aggregate}, per_pair
 
 
 class Timeline:
@@ -198,19 +237,20 @@ def timed_runner_class():
             ready = time.monotonic()
             rec["paused_wait"] += ready - enter
             g0 = ep.generate_s
-            gen = await super()._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
+            out = await super()._generate_turn(ep, pending, previous_rid, remaining, handle, listener)
+            gen = out[0]  # (generation, weight version)
             rec["mark"] = time.monotonic()
             rec["generate"] += ep.generate_s - g0
             rec["session_overhead"] += (rec["mark"] - ready) - (ep.generate_s - g0)
             tl.set_live(handle.task_id, len(ep.tokens) + len(gen.output_ids), handle.last_rank)
-            return gen
+            return out
 
-    async def timed_generate(engine, input_ids, sampling_params, tag, session_params):
+    async def timed_generate(engine, input_ids, sampling_params, tag, session_params, image_data=None):
         tl = TimedRunner.timeline
         rank = next(r for r, e in tl_engines.items() if e is engine)
         tl.engine_edge(rank, +1)
         try:
-            gen, report = await original_generate(engine, input_ids, sampling_params, tag, session_params)
+            gen, report = await original_generate(engine, input_ids, sampling_params, tag, session_params, image_data)
         finally:
             tl.engine_edge(rank, -1)
         tl.requests[rank] += 1
@@ -420,7 +460,6 @@ def main() -> None:
         loop = engines[0].loop
         cost = loop.run_until_complete(measure_costs(engines[0]))
         print(f"cost probe: {json.dumps(cost)}", flush=True)
-        runs = {}
         pairs = []
         for i in range(0 if args.probe_only else args.pairs):
             pair = {}
@@ -430,37 +469,20 @@ def main() -> None:
                 print(f"pair {i} {res['mode']}: {res['step_duration_s']:.1f}s, hit {res['hit_rate']:.3f}, "
                       f"breakdown {json.dumps(res['time_breakdown'])}", flush=True)
             pairs.append(pair)
-        if pairs:
-            runs = pairs[0]
         for e in engines.values():
             e.shutdown()
     if args.probe_only:
         return
 
-    v, c = runs["vanilla"], runs["ctb"]
-    ratios = {
-        "hit_rate_x": c["hit_rate"] / v["hit_rate"] if v["hit_rate"] else float("inf"),
-        "throughput_x": c["gen_tokens_per_s"] / v["gen_tokens_per_s"],
-        "step_duration_x": c["step_duration_s"] / v["step_duration_s"],
-        "ctb_hit_vs_ideal": c["hit_rate"] / c["ideal_hit_rate"] if c["ideal_hit_rate"] else 0.0,
-    }
-    keys = ("hit_rate", "ideal_hit_rate", "gen_tokens_per_s", "step_duration_s", "pauses")
-    per_pair = [{"order": "vanilla,ctb" if i % 2 == 0 else "ctb,vanilla",
-                 **{m: {k: pr[m][k] for k in keys} for m in ("vanilla", "ctb")},
-                 "throughput_x": pr["ctb"]["gen_tokens_per_s"] / pr["vanilla"]["gen_tokens_per_s"],
-                 "step_duration_x": pr["ctb"]["step_duration_s"] / pr["vanilla"]["step_duration_s"],
-                 "hit_rate_x": pr["ctb"]["hit_rate"] / pr["vanilla"]["hit_rate"]}
-                for i, pr in enumerate(pairs)]
-    for k in ("throughput_x", "step_duration_x", "hit_rate_x"):
-        vals = [pp[k] for pp in per_pair]
-        ratios[f"{k}_geomean_over_pairs"] = float(__import__("math").prod(vals) ** (1 / len(vals)))
-    print(f"\n{'':24}{'vanilla':>12}{'ctb':>12}{'ctb/vanilla':>14}")
+    figures, per_pair = pair_figures(pairs)
+    m = figures["modes"]
+    print(f"\n{'geomean over ' + str(len(pairs)) + ' pairs':24}{'vanilla':>12}{'ctb':>12}{'ctb/vanilla':>14}")
     for key, label in (("hit_rate", "prefix hit rate"), ("ideal_hit_rate", "ideal hit rate"),
-                       ("gen_tokens_per_s", "gen tokens/s"), ("step_duration_s", "step duration (s)"),
-                       ("generated_tokens", "generated tokens"), ("turns", "turns"), ("pauses", "pauses")):
-        ratio = c[key] / v[key] if v[key] else float("nan")
-        print(f"{label:24}{v[key]:>12.3f}{c[key]:>12.3f}{ratio:>14.2f}")
-    print(f"CTB hit rate / ideal: {ratios['ctb_hit_vs_ideal']:.3f}  (paper: 1.58x hit rate, 1.15x throughput)")
+                       ("gen_tokens_per_s", "gen tokens/s"), ("step_duration_s", "step duration (s)")):
+        v, c = m["vanilla"][key], m["ctb"][key]
+        print(f"{label:24}{v:>12.3f}{c:>12.3f}{c / v if v else float('nan'):>14.2f}")
+    r = figures["ratios"]
+    print(f"CTB hit rate / ideal: {r['ctb_hit_vs_ideal']:.3f}  (paper: 1.58x hit rate, 1.15x throughput)")
     record = {
         **bench_record.header("ctb_kv", config=vars(args)),
         "engine_startup_s": startup_s,
@@ -474,13 +496,13 @@ def main() -> None:
                                     "generate before their footprints are reported (each turn's observation is "
                                     "reported when the turn starts); low_water 0.85 (hysteresis) unchanged; "
                                     "hard_water capped at 1 / kv_budget_fraction so the pool holds what pausing allows"},
-        "previous_ctb": previous and {"kv_budget_fraction": 0.8, **{k: previous["ctb"][k] for k in (
-            "hit_rate", "ideal_hit_rate", "gen_tokens_per_s", "step_duration_s", "pauses", "time_breakdown")},
-            "vanilla_same_run": {k: previous["vanilla"][k] for k in (
-                "hit_rate", "gen_tokens_per_s", "step_duration_s")}},
+        "previous": previous and {"date": previous.get("date"), "command": previous.get("command"),
+                                  "ratios": previous.get("ratios")},
         "setup_rationale": SETUP_RATIONALE,
-        "vanilla": v, "ctb": c, "ratios": ratios, "pairs": per_pair,
-        "vanilla_ctb_of_first_pair": "the vanilla and ctb records (with time_breakdown) are the first pair's",
+        # top-level figures: geometric means over every measured pair; each pair's own figures
+        # (and full records, time breakdowns included) in "pairs"
+        "ratios": r, "modes": m, "aggregate": figures["aggregate"],
+        "pairs": [{**pp, "records": pr} for pp, pr in zip(per_pair, pairs)],
     }
     if not args.no_write:
         bench_record.write("ctb_kv", record)

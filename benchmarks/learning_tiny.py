@@ -4,7 +4,8 @@ Runs `torchrun --nproc-per-node 2 launch/train.py +recipe=tiny_cpu scheduler.mod
 STEPS steps per mode (random init, real SGLang rollout, real Megatron trainer, the same seeds and
 settings), then compares the mean reward of the first and last K steps and the wall time. The
 question for `tide`: does it reach at least sync's reward at the same step count, in less wall
-time? Prints a short table and writes benchmarks/results/learning_tiny.json with both curves.
+time? (`sync` time-shares both ranks, VeRL-like; results measured before `sync_split` existed
+ran today's `sync_split`.) Prints a short table and writes benchmarks/results/learning_tiny.json with both curves.
 
     python benchmarks/learning_tiny.py [--modes sync,tide] [--steps 80] [--window 10] [overrides ...]
 """

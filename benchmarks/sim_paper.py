@@ -3,6 +3,7 @@
     python benchmarks/sim_paper.py --workload text      # 32 H100, Qwen2.5-7B, WebShop+ALFWorld, 100 steps
     python benchmarks/sim_paper.py --workload mm        # 32 H100, Qwen3-VL-4B, OSWorld-like, 40 steps
     python benchmarks/sim_paper.py --workload shifted   # held-out shifted text mix, 100 steps
+    python benchmarks/sim_paper.py --kv-only            # the KV micro-benchmark alone (seconds)
 
 Runs sync; async_static (AReaL-like), stream (StreamRL-like) and elastic (verl-like dynamic
 scaling, its standalone rollout share) at every share of the paper's sweep, each reported at
@@ -122,7 +123,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=sorted(SETUPS), default="text")
     ap.add_argument("--steps", type=int, default=None, help="override the setup's step count (quick looks)")
+    ap.add_argument("--kv-only", action="store_true",
+                    help="run only the KV micro-benchmark (CTB vs request-level prefix caching on one engine) "
+                         "and write benchmarks/results/sim_paper_kv.json")
     args = ap.parse_args()
+    if args.kv_only:
+        t0 = time.perf_counter()
+        print("[kv micro-benchmark] one H100, 1,312 WebShop tasks")
+        kv = kv_microbenchmark()
+        result = {**bench_record.header("sim_paper", config={**vars(args), "setup": "text_32gpu"}),
+                  "scope": "kv_microbenchmark", "wall_s": time.perf_counter() - t0,
+                  "paper": {"kv_hit_rate_gain": PAPER["kv_hit_rate_gain"]}, "figures": {"kv_microbenchmark": kv}}
+        bench_record.write("sim_paper_kv", result)
+        return
     setup = SETUPS[args.workload]
     base = [f"steps={args.steps}"] if args.steps else []
     t0 = time.perf_counter()

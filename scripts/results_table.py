@@ -179,6 +179,11 @@ def sim_paper(r: dict) -> str:
     goals = f.get("goals") or {}
     if goals:
         parts.append(f"goals met {sum(bool(g['met']) for g in goals.values())}/{len(goals)}")
+    kv = f.get("kv_microbenchmark")
+    if kv and r.get("scope") == "kv_microbenchmark":  # sim_paper.py --kv-only; a full run keeps its comparison
+        parts.append(f"KV micro-benchmark: CTB/request-level prefix-cache hits {_num(kv['hit_rate_gain'])}x"
+                     + (f" (paper {paper['kv_hit_rate_gain']}x)" if "kv_hit_rate_gain" in paper else "")
+                     + f", generation {_num(kv['generation_throughput_gain'])}x")
     return "; ".join(parts)
 
 
@@ -208,7 +213,7 @@ def ra2p_microbench(r: dict) -> str:
 def ctb_kv(r: dict) -> str:
     x = r["ratios"]
     over = "_geomean_over_pairs" if "hit_rate_x_geomean_over_pairs" in x else ""
-    pairs = f" (geomean of {len(r['pairs'])} pairs)" if over and r.get("pairs") else ""
+    pairs = f" (geomean of {len(r['pairs'])} pairs)" if (over or r.get("aggregate")) and r.get("pairs") else ""
     return (f"CTB/request-level SGLang: prefix-cache hits {_num(x['hit_rate_x' + over])}x, throughput "
             f"{_num(x['throughput_x' + over])}x{pairs}; CTB hits at {_num(x['ctb_hit_vs_ideal'])} of the ideal")
 

@@ -10,22 +10,26 @@ not one per token.
 Prefill has priority over decode (SGLang's default schedule): a request that needs p uncached
 tokens freezes the batch for prefill_s(p). Its cached prefix is a hit.
 
-KV cache: running sequences hold context + tokens still to generate. A trajectory waiting for
-its env keeps its prefix in the cache; under request-level scheduling (`pinned=False`) that
-prefix is just LRU cache and is evicted when a new request needs room - the C1 collapse of the
-paper. Under CTB (`pinned=True`) waiting prefixes stay; when a request does not fit, the rank
-reports pressure and CTB decides which task to pause.
+KV cache: `RadixPrefixCache` (tide_megatron/sim/prefix_cache.py), SGLang's radix tree with LRU
+eviction, the same model under both schedulers. A running request holds its input (locked in the
+tree) and its reserved output; a trajectory waiting for its env keeps its prefix in the tree, and
+its next turn re-uses whatever of it is still there. Under request-level scheduling
+(`pinned=False`) that prefix is unreferenced cache, evicted least-recently-used first when a new
+request needs room (the C1 collapse of the paper when far more tasks run than the pool holds).
+Under CTB (`pinned=True`) the prefixes of the tasks resident on the rank stay; when a request
+does not fit, it waits, and CTB, seeing the pressure in its ledger, decides which task to pause.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional
 
 from tide_megatron.sim.hardware import HardwareModel
+from tide_megatron.sim.prefix_cache import RadixPrefixCache
 from tide_megatron.sim.workload import SimTrajectory
 
 
@@ -49,6 +53,8 @@ class RankStats:
     iterations: float = 0.0
     """Decode iterations run (mean iteration time = decode_s / iterations)."""
     evictions: int = 0
+    """Evictions of an unfinished trajectory's cached prefix (at most one per trajectory per
+    request that needed room)."""
     idle_s: float = 0.0
     """Time with nothing to decode or prefill (rollout waiting time, RWT)."""
 
@@ -88,9 +94,7 @@ class RolloutRank:
         self.vclock = 0.0
         self.last_t = now
         self.freeze_until = now
-        self.cache: "OrderedDict[int, int]" = OrderedDict()  # waiting traj_id -> prefix tokens
-        self.prompt_cache: "OrderedDict[int, int]" = OrderedDict()  # group_id -> prompt tokens
-        self.used = 0  # KV tokens held: running reservations + cached prefixes
+        self.kv = RadixPrefixCache(self.capacity, self.pinned)
         self.queue: Deque[SimTrajectory] = deque()
         self.resident: Dict[int, SimTrajectory] = {}  # every trajectory placed here and not done
         self.footprint = 0  # sum of resident trajectories' next-turn footprints (CTB ledger)
@@ -139,18 +143,21 @@ class RolloutRank:
         return start + (a + b * self.vclock) * dv + 0.5 * b * dv * dv
 
     # ------------------------------------------------------------------------------- KV cache
-    def _evict_for(self, need: int, force: bool = False) -> None:
-        """Free room by dropping LRU prompt prefixes, then waiting prefixes (unless pinned; an
-        engine with nothing running must evict even pinned prefixes or it would deadlock)."""
-        while self.used + need > self.capacity and self.prompt_cache:
-            _, tokens = self.prompt_cache.popitem(last=False)
-            self.used -= tokens
-        if self.pinned and not force:
-            return
-        while self.used + need > self.capacity and self.cache:
-            _, tokens = self.cache.popitem(last=False)
-            self.used -= tokens
-            self.stats.evictions += 1
+    @property
+    def used(self) -> int:
+        """KV tokens held: the radix tree (cached prefixes, running inputs) + running outputs."""
+        return self.kv.used
+
+    def _evict_for(self, traj: SimTrajectory, need: int, force: bool = False) -> None:
+        """Free room for `traj`'s request (its own prefix is protected, as SGLang locks it before
+        allocating) by LRU eviction; pinned prefixes only with `force` (an engine with nothing
+        running must evict even those or it would deadlock)."""
+        kv = self.kv
+        if self.queue:
+            kv.refresh_waiting((t.traj_id, t.group_id) for t in self.queue)
+        before = kv.evictions
+        kv.evict(kv.used + need - self.capacity, (traj.traj_id, traj.group_id), force)
+        self.stats.evictions += kv.evictions - before
 
     @property
     def free_tokens(self) -> int:
@@ -164,15 +171,15 @@ class RolloutRank:
         self.footprint += traj.footprint()
 
     def _try_start(self, traj: SimTrajectory, now: float) -> bool:
-        need = traj.footprint() - self.cache.get(traj.traj_id, 0)
+        # new tokens the request allocates: its input after the cached prefix, and its output
+        need = traj.footprint() - self.kv.match(traj.traj_id, traj.group_id)
         if self.used + need > self.capacity:
-            self._evict_for(need)
-            need = traj.footprint() - self.cache.get(traj.traj_id, 0)
+            self._evict_for(traj, need)
             if self.used + need > self.capacity and self.running:
                 return False
             if self.used + need > self.capacity:
-                self._evict_for(need, force=True)
-        self._start(traj, now, self.cache.get(traj.traj_id, 0))
+                self._evict_for(traj, need, force=True)
+        self._start(traj, now)
         return True
 
     def submit(self, traj: SimTrajectory, now: float) -> None:
@@ -181,17 +188,10 @@ class RolloutRank:
         if self.queue or not self._try_start(traj, now):
             self.queue.append(traj)
 
-    def _start(self, traj: SimTrajectory, now: float, cached: int) -> None:
+    def _start(self, traj: SimTrajectory, now: float) -> None:
         ctx = traj.context
-        hit = cached
-        if cached:
-            del self.cache[traj.traj_id]
-            self.used -= cached
-        elif traj.turn == 0:
-            prompt = self.prompt_cache.get(traj.group_id, 0)
-            hit = min(prompt, ctx)
-            if prompt:
-                self.prompt_cache.move_to_end(traj.group_id)
+        gen = traj.gen[traj.turn]
+        hit = self.kv.start(traj.traj_id, traj.group_id, traj.prompt_tokens, ctx, gen)
         new = ctx - hit
         if traj.turn > 0:
             # everything before the latest observation was computed once already
@@ -202,13 +202,7 @@ class RolloutRank:
             p = self.hw.prefill_s(new, hit)
             self.freeze_until = max(now, self.freeze_until) + p
             self.stats.prefill_s += p
-        if traj.turn == 0 and traj.group_id not in self.prompt_cache:
-            # the shared GRPO prompt stays in the radix tree for the group's other samples
-            self.prompt_cache[traj.group_id] = traj.prompt_tokens
-            self.used += traj.prompt_tokens
-        gen = traj.gen[traj.turn]
         reserved = ctx + gen
-        self.used += reserved
         self.running[traj.traj_id] = (traj, self.vclock, reserved)
         self.s0 += ctx - self.vclock
         heapq.heappush(self._finish, (self.vclock + gen, traj.traj_id))
@@ -227,11 +221,9 @@ class RolloutRank:
             self.s0 -= traj.context - start_v
             gen = traj.gen[traj.turn]
             self.stats.generated_tokens += gen
-            self.used -= reserved
             # the prefix (context + this turn's action) stays cached while the env works;
             # evictable unless pinned. traj.context itself grows when the observation returns.
-            self.cache[tid] = traj.context + gen
-            self.used += traj.context + gen
+            self.kv.finish_turn(tid, traj.context + gen)
             done.append(traj)
         started: List[SimTrajectory] = []
         if done:
@@ -249,19 +241,24 @@ class RolloutRank:
         self.advance(now)
         entry = self.running.pop(traj.traj_id, None)
         if entry is not None:
-            _, start_v, reserved = entry
+            _, start_v, _ = entry
             self.s0 -= traj.context - start_v
-            self.used -= reserved
+            self.kv.abort(traj.traj_id)
         if traj in self.queue:
             self.queue.remove(traj)
 
     def release(self, traj: SimTrajectory, now: float) -> List[SimTrajectory]:
-        """Drop `traj` from this rank (finished, paused or migrated). It must not be running."""
+        """Drop `traj` from this rank (finished, paused, migrated or cancelled). It must not be
+        running. A finished trajectory's KV stays in the tree, unpinned, until LRU evicts it (as
+        SGLang keeps a finished request's); a paused or cancelled one's is freed at once."""
         if self.resident.pop(traj.traj_id, None) is not None:
             self.footprint -= traj.footprint()
-        tokens = self.cache.pop(traj.traj_id, 0)
-        self.used -= tokens
-        if tokens and self.queue:
+        if traj.turn >= traj.n_turns and not traj.cancelled:
+            self.kv.finish_task(traj.traj_id)
+            freed = self.pinned  # its KV became evictable
+        else:
+            freed = self.kv.drop(traj.traj_id) > 0
+        if freed and self.queue:
             return self._drain_queue(now)
         return []
 
@@ -269,12 +266,7 @@ class RolloutRank:
         """Weight sync: stall for the broadcast, drop every cached prefix (they were computed with
         the old weights) and re-prefill the running sequences under the new ones."""
         self.advance(now)
-        for tokens in self.cache.values():
-            self.used -= tokens
-        for tokens in self.prompt_cache.values():
-            self.used -= tokens
-        self.cache.clear()
-        self.prompt_cache.clear()
+        self.kv.flush()
         redo = 0
         for traj, start_v, _ in self.running.values():
             redo += traj.context + int(self.vclock - start_v)
