@@ -4,10 +4,11 @@ The mode (`modes.py`) says which executor runs and whether the step's micro-batc
 ready at its start or arrive while it runs; RA2P's `ModeSelector` picks colocated or decoupled
 each step in `tide` mode with `ra2p.executor=auto`, from the step's readiness in tokens (ready
 at its start, the arrival rate, the step's size) and the per-token costs the executors
-measured, both converted to the cost model's micro-batch of the current trainer by the core. Micro-batches are formed by the core planner (`core/ra2p.py`) over the
-current DP size: the ready backlog is planned as a whole (the smallest micro-batch last when
-decoupled); every group that completes during the step is one more micro-batch, for the DP
-rank with the fewest tokens among those with a late slot left.
+measured, both converted to the cost model's micro-batch of the current trainer by the core.
+Micro-batches are formed by the core planner (`core/ra2p.py`) over the current DP size: the
+ready backlog is planned as a whole (the smallest micro-batch last when decoupled); every group
+that completes during the step is one more micro-batch, for the DP rank with the fewest tokens
+among those with a late slot left.
 
 Every mode runs the same way: a `trainer.step_feed.StepFeed` opens the step on every actor and
 reference rank of the current `TrainerAssignment` and routes each micro-batch to its DP rank
@@ -120,8 +121,7 @@ class TrainerDriver:
 
     def _step_tokens(self, ready_tokens: int, ready_groups: int, late_groups: int) -> float:
         """The step's tokens: the ready ones, and the late groups at the mean group size seen
-        (this step's ready groups, else earlier steps'; none yet: one cost-model micro-batch
-        per group and DP rank)."""
+        (this step's ready groups, else the last step's; none yet: `tokens_per_rank` each)."""
         if ready_groups:
             per_group = ready_tokens / ready_groups
         elif self._group_tokens is not None:
