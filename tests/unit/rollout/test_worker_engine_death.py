@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import types
 
-from tide_megatron.comm.messages import LoadWeights, RunTask, Stop, TaskAssignment, TaskCancelled
+from tide_megatron.comm.messages import LoadWeights, RunTask, TaskAssignment, TaskCancelled
 from tide_megatron.rollout import worker as worker_mod
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from worker_fakes import FakeEngine, FakeMailbox, WaitsForResume  # noqa: E402
+from worker_fakes import FakeEngine, FakeMailbox, WaitsForResume, run_until_a_task_started  # noqa: E402
 
 
 def test_messages_read_with_the_one_the_engine_died_in_are_handled_after_the_restart(monkeypatch):
@@ -33,15 +32,7 @@ def test_messages_read_with_the_one_the_engine_died_in_are_handled_after_the_res
     assignment = TaskAssignment(task={"task_id": "t0"}, group_id="g0", index=0)
     mailbox.inbox = [LoadWeights({}, sender=0), RunTask(assignment)]  # one poll
 
-    def stop_when_started():
-        while runner.started == 0:
-            threading.Event().wait(0.01)
-        mailbox.inbox.append(Stop())
-
-    threading.Thread(target=stop_when_started, daemon=True).start()
-    done = threading.Event()
-    threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
-    assert done.wait(20), "the task that came with the fatal message never ran"
+    assert run_until_a_task_started(worker, mailbox, runner), "the task that came with the fatal message never ran"
     assert worker.engine_restarts == 1 and runner.started == 1
     cancelled = [m for m in mailbox.sent if isinstance(m, TaskCancelled)]  # at Stop: answered once
     assert [m.task_id for m in cancelled] == [assignment.trajectory_id]

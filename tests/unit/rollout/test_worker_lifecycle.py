@@ -17,7 +17,7 @@ from tide_megatron.rollout import worker as worker_mod
 from tide_megatron.rollout.task_runner import TaskRunnerConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from worker_fakes import FakeEngine, FakeMailbox, WaitsForResume  # noqa: E402
+from worker_fakes import FakeEngine, FakeMailbox, WaitsForResume, run_until_a_task_started  # noqa: E402
 
 
 def test_stop_ends_a_paused_task_and_returns(monkeypatch):
@@ -30,15 +30,7 @@ def test_stop_ends_a_paused_task_and_returns(monkeypatch):
     assignment = TaskAssignment(task={"task_id": "t0"}, group_id="g0", index=0)
     mailbox.inbox = [RunTask(assignment)]
 
-    def stop_when_started():
-        while runner.started == 0:
-            threading.Event().wait(0.01)
-        mailbox.inbox.append(Stop())
-
-    threading.Thread(target=stop_when_started, daemon=True).start()
-    done = threading.Event()
-    threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
-    assert done.wait(20), "the worker did not return after Stop"
+    assert run_until_a_task_started(worker, mailbox, runner), "the worker did not return after Stop"
     cancelled = [m for m in mailbox.sent if isinstance(m, TaskCancelled)]
     assert [m.task_id for m in cancelled] == [assignment.trajectory_id]
     assert worker._tasks == {}

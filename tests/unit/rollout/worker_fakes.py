@@ -6,6 +6,8 @@ import asyncio
 import threading
 import types
 
+from tide_megatron.comm.messages import Stop
+
 
 class FakeMailbox:
     def __init__(self):
@@ -47,3 +49,17 @@ class WaitsForResume:
     async def run(self, assignment, handle, listener, carry=None):
         self.started += 1
         await asyncio.Event().wait()
+
+
+def run_until_a_task_started(worker, mailbox: FakeMailbox, runner: WaitsForResume, timeout_s: float = 20.0) -> bool:
+    """Run `worker` on a thread; once `runner` started a task, send it Stop. Returns whether the
+    worker returned within `timeout_s`."""
+    def stop_when_started():
+        while runner.started == 0:
+            threading.Event().wait(0.01)
+        mailbox.inbox.append(Stop())
+
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
+    return done.wait(timeout_s)
