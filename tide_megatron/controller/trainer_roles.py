@@ -111,7 +111,7 @@ class TrainerRoles:
         self.world = topo.world_size
         self.tp = worker.registry.layout.tp_size
         self.time_share = bool(time_share and rollout is not None)
-        self.moves_split = bool((ers_cfg.move_ranks or self.time_share) and rollout is not None)
+        self.moves_split = self.time_share or bool(ers_cfg.move_ranks and rollout is not None)
         self.ers = ERSController(ERSConfig(enabled=ers_cfg.enabled, max_moves_per_step=1 if self.moves_split else 0,
                                            reclaim="lowest", min_rollout_ranks=min_rollout_ranks,
                                            min_trainer_ranks=self.tp, rank_block=self.tp),
@@ -120,7 +120,7 @@ class TrainerRoles:
         self.plan = self._plan_of(worker.assignment)
         self.changes = 0
         self.moves = 0
-        self._cold_start_loan = False  # lent at cold start, and not yet back
+        self._on_loan = False  # lent (at cold start, or time sharing's every step), and not yet back
         self.rollout_resized = False
         """The rollout ranks changed since the last plan, with work in flight: ERS's window then
         mixes two splits: ERS reads the trainer's rate only and holds the split
@@ -148,7 +148,7 @@ class TrainerRoles:
         train = self._whole_world_plan()
         loan = self.ers.preemptive_plan(train, keep_trainer_ranks=self.tp, reason=reason)
         out = self._carry_out(loan, step, reactive=train)
-        self._cold_start_loan = self.ranks != train.trainer_ranks
+        self._on_loan = self.ranks != train.trainer_ranks
         return out
 
     # -- plan <-> assignment ------------------------------------------------------------------
@@ -214,7 +214,7 @@ class TrainerRoles:
         loan = self.ers.preemptive_plan(self.plan, keep_trainer_ranks=self.ers.config.min_trainer_ranks,
                                         reason="cold start")
         out = self._carry_out(loan, step=0, reactive=self.plan)
-        self._cold_start_loan = self.ranks != self.plan.trainer_ranks  # lent (the move may not have run)
+        self._on_loan = self.ranks != self.plan.trainer_ranks  # lent (the move may not have run)
         self.rollout_resized = False  # nothing was in flight: every rank starts empty
         return out
 
@@ -223,9 +223,9 @@ class TrainerRoles:
         rank still loading the weights of version 0 is waited for (at most `timeout_s`; one that
         fails to load them is quarantined, which ends the wait); while one is out of service the
         loan lasts to the first boundary. Returns metrics (empty when no loan was in force)."""
-        if not self._cold_start_loan:
+        if not self._on_loan:
             return {}
-        self._cold_start_loan = False
+        self._on_loan = False
         lent = [r for r in self.plan.trainer_ranks if r not in self.ranks]
         self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: not any(
             self.rollout.returning(r) for r in lent)), timeout_s, f"lent rank(s) {lent} to load the first weights")
@@ -245,7 +245,7 @@ class TrainerRoles:
         starts, or its length is not measured yet)."""
         if not self.enabled:
             return {}
-        self._cold_start_loan = False  # a loan still in force ends at this boundary
+        self._on_loan = False  # a loan still in force ends at this boundary
         if self.time_share:
             return self._lend_for_rollout(step, f"time sharing: step {step + 1}'s rollout")
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
