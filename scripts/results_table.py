@@ -207,6 +207,12 @@ def ra2p_microbench(r: dict) -> str:
     picks = r.get("mode_selection_on_measured_costs") or {}
     if picks:
         out += "; chosen mode: " + ", ".join(f"{case} {x['mode']}" for case, x in picks.items())
+    for regime, x in (r.get("regimes") or {}).items():
+        best = x["best_fixed_by_rank_s"]
+        verdict = "no costlier" if x["auto_no_costlier_than_best_fixed"] else "COSTLIER"
+        out += (f"; {regime}: auto ran {x['auto']['method']}, rank-s {x['auto_vs'][best]['rank_s']:.2f}x the best "
+                f"forced ({best}; {verdict}), {x['auto_vs']['VS']['rank_s']:.2f}x VS, "
+                f"{x['auto_vs']['VSO']['rank_s']:.2f}x VSO")
     return out
 
 

@@ -243,8 +243,15 @@ class RA2PJobConfig:
     or force one: `colocated`, `decoupled`, and the baselines `vs` (vanilla streaming, both
     models resident) and `vso` (vanilla streaming with model offloading). In `stream` mode it
     picks the baseline's executor (`vs`, `vso`, `colocated`; `auto`: vso)."""
+    offload_idle_model: bool = False
+    """Colocated mode parks the idle model (Ref or Actor) in host memory between rounds, the
+    paper's CM. False keeps both resident, as the baselines' executors do (VS, sync,
+    async_static): no swap is paid, and the dry run's memory plan already counts the reference
+    on the GPU. Set True where that plan does not fit; the dry run then leaves the reference
+    out. The VSO baseline always offloads."""
     cost_model: RA2PConfig = field(default_factory=RA2PConfig)
-    """Constants of the C_dec / C_col comparison; its swap cost is replaced by measurement."""
+    """Constants of the C_dec / C_col comparison; its swap cost is replaced by measurement (and
+    is 0 while colocated mode keeps both models resident)."""
     prior_ref_fwd_s: float = 0.05
     """Reference forward of one cost-model micro-batch (`ra2p.cost_model.tokens_per_rank` tokens per
     actor rank) assumed until measured."""

@@ -180,7 +180,7 @@ class Job:
                            ctb_enabled=self.cfg.ctb.enabled)
         trainer = TrainerWorker.at_startup(
             self.topo, self.cfg.trainer, self.model_path, self.checkpoint_root,
-            colocated=mode.colocated_config(self.cfg.ra2p.cost_model.aggregation_limit))
+            colocated=mode.colocated_config(self.cfg.ra2p.cost_model.aggregation_limit, self.cfg.ra2p.offload_idle_model))
         start_step = trainer.load(self.resume_path) if self.resume_path and self.topo.trains else 0
         return trainer, start_step
 

@@ -130,7 +130,7 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
     wbytes = 2 if tr.bf16 else 4
     row = min(resolved.rollout.runner.max_context_tokens, tr.micro_batch_tokens)
     inputs = TrainerMemoryInputs(tp=tr.tp_size, pp=tr.pp_size, dp=plan.dp_size, bf16=tr.bf16,
-                                 distributed_optimizer=tr.distributed_optimizer, with_reference=tr.kl_coef > 0,
+                                 distributed_optimizer=tr.distributed_optimizer, with_reference=tr.kl_coef > 0 and not resolved.ra2p.offload_idle_model,
                                  micro_batch_tokens=tr.micro_batch_tokens, row_tokens=row, recompute=tr.recompute,
                                  packed=tr.packing)
     trainer = trainer_memory(shape, inputs, gpu_memory_gb)
@@ -159,7 +159,8 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
     if not trainer.fits:
         packing = "" if tr.packing else "set trainer.packing=true, "
         error = (f"trainer GPU memory {trainer.total_gb:.1f} GB over {trainer.budget_gb:.1f} GB: {packing}set "
-                 f"trainer.recompute=selective (or full), raise trainer.tp_size, or lower trainer.micro_batch_tokens")
+                 f"trainer.recompute=selective (or full), raise trainer.tp_size, lower trainer.micro_batch_tokens, or "
+                 f"park the reference in host memory (ra2p.offload_idle_model=true)")
     elif not engine.line.fits:
         error = (f"rollout engine weights {engine.line.parts[0][1]:.1f} GB do not fit rollout.engine.mem_fraction_static="
                  f"{fraction:g} of {gpu_memory_gb:g} GB: raise rollout.engine.tp_size or mem_fraction_static")

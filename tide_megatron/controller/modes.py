@@ -52,17 +52,20 @@ class ModePolicy:
     """Every rank that can train also rolls out: trainer ranks are lent to rollout for each
     step's rollout and return for its training (sync)."""
 
-    def colocated_config(self, aggregation_limit: int):
+    def colocated_config(self, aggregation_limit: int, offload_idle_model: bool = False):
         """The colocated executor's knobs for this mode's executor (every actor rank builds its
-        executor from it). Sync is the VeRL-like baseline: both models resident."""
+        executor from it). VS and VSO are defined by their swapping; every other executor parks
+        the idle model only under `ra2p.offload_idle_model`, so no mode swaps where another
+        keeps both models resident. Sync is the VeRL-like baseline: one round per step."""
         from tide_megatron.trainer.ra2p import ColocatedConfig
 
-        name = "resident" if self.name in ("sync", "sync_split") else self.executor
-        return {"vs": ColocatedConfig.vanilla_streaming(offload=False),
-                "vso": ColocatedConfig.vanilla_streaming(offload=True),
-                "resident": ColocatedConfig(offload=False, name="colocated_resident"),
-                "batch": ColocatedConfig(name="colocated_batch"),
-                }.get(name, ColocatedConfig(aggregation_limit=aggregation_limit))
+        if self.executor in ("vs", "vso"):
+            return ColocatedConfig.vanilla_streaming(offload=self.executor == "vso")
+        if self.name in ("sync", "sync_split"):
+            return ColocatedConfig(offload=offload_idle_model, name="colocated_sync")
+        if self.executor == "batch":
+            return ColocatedConfig(offload=offload_idle_model, name="colocated_batch")
+        return ColocatedConfig(aggregation_limit=aggregation_limit, offload=offload_idle_model)
 
 
 def mode_policy(mode: str, *, ra2p_executor: str = "auto", ctb_enabled: bool = True) -> ModePolicy:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
@@ -95,7 +96,10 @@ class TrainerDriver:
         self.layout = BatchLayout.of(cfg.trainer)
         self.meter = worker.meter  # rank 0's measured costs; reference ranks add theirs per step
         prior = MicroBatchTimes(cfg.ra2p.prior_ref_fwd_s, cfg.ra2p.prior_actor_fwd_s, cfg.ra2p.prior_actor_bwd_s)
-        self.selector = ModeSelector(ModeSelectorConfig(ra2p=cfg.ra2p.cost_model, prior_times=prior), self.meter)
+        cost_model = cfg.ra2p.cost_model
+        if not cfg.ra2p.offload_idle_model:
+            cost_model = dataclasses.replace(cost_model, swap_cost_s=0.0)  # colocated rounds swap nothing
+        self.selector = ModeSelector(ModeSelectorConfig(ra2p=cost_model, prior_times=prior), self.meter)
         self._group_tokens: Optional[float] = None  # a group's tokens, as the last step's groups held
 
     @property

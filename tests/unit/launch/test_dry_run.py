@@ -68,6 +68,15 @@ def test_the_dry_run_command_prints_the_plan_and_fails_with_one_line_naming_the_
     assert no_trainer.returncode == 1 and "leave no trainer rank" in no_trainer.stderr
 
 
+def test_the_reference_counts_on_the_trainer_gpu_unless_it_is_parked_in_host_memory():
+    def trainer_line(*overrides: str) -> str:
+        report = dry_run(compose_job_config(["+recipe=webshop_qwen2_5_7b", *overrides]), 1, 8)
+        return next(line for line in report.lines if "trainer rank" in line)
+
+    assert "reference" in trainer_line()
+    assert "reference" not in trainer_line("ra2p.offload_idle_model=true")
+
+
 @pytest.mark.parametrize("name,params_b", [("Qwen2.5-1.5B-Instruct", 1.54), ("Qwen2.5-7B-Instruct", 7.61),
                                            ("Qwen2.5-14B-Instruct", 14.7), ("Qwen3-VL-4B-Instruct", 4.4)])
 def test_published_shapes_give_the_model_cards_parameter_counts(name, params_b):

@@ -111,6 +111,22 @@ def test_the_stream_baseline_runs_the_executor_it_is_tuned_to(compose_job, execu
     assert mode_policy("stream", ra2p_executor=cfg.ra2p.executor).executor == runs
 
 
+@pytest.mark.parametrize("mode,executor", [("tide", "auto"), ("tide", "colocated"), ("async_static", "auto"),
+                                           ("sync", "auto"), ("sync_split", "auto"), ("stream", "colocated"),
+                                           ("stream", "vs"), ("stream", "vso")])
+@pytest.mark.parametrize("offload", [False, True])
+def test_only_vso_and_the_offload_key_park_the_idle_model(compose_job, mode, executor, offload):
+    # No mode swaps models where another keeps both resident: RA2P's colocated mode and the
+    # baselines' one-round executors park the idle model only under ra2p.offload_idle_model.
+    from tide_megatron.controller.modes import mode_policy
+
+    cfg = compose_job(f"scheduler.mode={mode}", f"ra2p.executor={executor}", f"ra2p.offload_idle_model={offload}")
+    policy = mode_policy(mode, ra2p_executor=cfg.ra2p.executor)
+    colocated = policy.colocated_config(cfg.ra2p.cost_model.aggregation_limit, cfg.ra2p.offload_idle_model)
+    expected = {"vso": True, "vs": False}.get(policy.executor, offload)
+    assert colocated.offload is expected
+
+
 def test_cfg_job_prints_the_composed_real_recipe():
     out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "+recipe=osworld_qwen3vl", "--cfg", "job"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
