@@ -136,19 +136,23 @@ class Controller:
             n = len(self.topo.rollout_ranks)
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: len(self.rollout.engines) >= n),
                               self.cfg.scheduler.ready_timeout_s, f"{n} rollout rank(s) to start their engines")
-            # ERS's first window opens with rollout, which starts now, not after the cold-start
-            # loan's weight load: groups and decode of that time belong to it (engine start-up
-            # does not). Opened later, it missed the first groups' decode (read as none).
+            # Rollout starts now (the first groups start once the start-up engines are up), and
+            # so does every mode's clock: standby engines still starting and a cold-start loan's
+            # weight load are the run's time, not a head start for the modes that move ranks.
+            self.log.start_run()
+            self._run_started = time.monotonic()
+            # ERS's first window opens with rollout too: groups and decode of that time belong to
+            # it. Opened later, it missed the first groups' decode (read as none).
             self._open_ers_window()
             standby = standby_engine_ranks(self.cfg, self.topo.trainer_ranks + self.topo.ref_ranks)
             if standby:  # the first step's trainer ranks are not still starting an engine
                 self.trainer.take(EngineStandby, len(standby), timeout_s=self.cfg.scheduler.ready_timeout_s)
             loan = self.roles.cold_start()  # preemptive maximal rollout, until the first data is ready
+            if loan:
+                self.log.roles_moved()
             if self.version > 0 or loan:  # resumed: the engines still hold the initial weights; lent
                 # ranks enter rollout service with these weights
                 self._push_weights(wait=self.version > 0)
-            self.log.start_run()
-            self._run_started = time.monotonic()
             self._start_eval()
             while not self._last_step_done():
                 self._one_step()

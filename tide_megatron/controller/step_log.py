@@ -44,7 +44,8 @@ class StepLog:
         self._retries_before: Optional[int] = None
 
     def start_run(self) -> None:
-        """The first dispatch: the run's wall clock starts here (engine start-up excluded)."""
+        """The first dispatch: the run's wall clock starts here, for every mode at the same point
+        (after the start-up rollout engines are up; standby engines still starting count)."""
         self._run_start = time.monotonic()
         self._retries_before = self.rollout.counters.get("retries", 0)  # (restored counters of a resumed run)
         self.metrics.mark_run_start()
