@@ -20,6 +20,7 @@ that the simulator's configs import no OmegaConf."""
 
 MODES = SCHEDULER_MODES + SIM_ONLY_MODES
 STALENESS_RULES = ("cancel", "drop")
+STREAM_EXECUTORS = ("vso", "vs", "colocated")
 
 
 @dataclass
@@ -165,7 +166,16 @@ class SimSchedulerConfig:
     comparison): each trajectory's version is its own admission version; groups run to the
     end and are dropped when found stale at completion or fetch."""
     ra2p: bool = True
-    """TIDE: RA2P mode selection (otherwise streaming with per-micro-batch swaps)."""
+    """TIDE: RA2P mode selection (otherwise streaming with `stream_executor`)."""
+    stream_executor: str = "vso"
+    """How `stream` (and TIDE without RA2P) runs Ref and Actor, as the real `ra2p.executor` in
+    stream mode: "vso" (alternate per micro-batch, swapping models), "vs" (alternate, both
+    resident) or "colocated" (RA2P's aggregated rounds); sim_paper runs each and reports
+    stream at its best."""
+    offload_idle_model: bool = False
+    """Colocated trainers (RA2P's colocated rounds, the barrier baselines' round, sync's training)
+    park the idle model in host memory, a swap pair per round, as the real
+    `ra2p.offload_idle_model`. False: both resident, no swap (VSO swaps regardless)."""
     ers: bool = True
     """TIDE: elastic role changes between steps (otherwise the shares stay fixed)."""
     ctb: bool = True
@@ -193,6 +203,8 @@ class SimSchedulerConfig:
     """Highest rollout share ERS may reach."""
 
     def __post_init__(self) -> None:
+        if self.stream_executor not in STREAM_EXECUTORS:
+            raise ValueError(f"scheduler.stream_executor must be one of {STREAM_EXECUTORS}, got {self.stream_executor!r}")
         if self.staleness_rule not in STALENESS_RULES:
             raise ValueError(f"scheduler.staleness_rule must be one of {STALENESS_RULES}, got {self.staleness_rule!r}")
         for name in ("rollout_share", "initial_rollout_share", "min_rollout_share", "max_rollout_share"):

@@ -4,11 +4,16 @@ Modes share every mechanism (engines, KV cache, env, buffer, trainer costs) and 
 scheduling, as in the paper's comparison (the trainer processes live in `sim/trainers.py`):
 
 - `sync` (VeRL-like): every rank rolls out the global batch; barrier; every rank swaps the
-  engine out and the training state in, trains (Ref, swap, Actor), syncs weights, swaps back.
+  engine out and the training state in, trains (Ref, Actor), syncs weights, swaps back.
 - `async_static` (AReaL-like): a fixed rollout share; the trainer waits for a full global
-  batch, runs Ref over it, swaps, runs the Actor (one aggregation round per step).
-- `stream` (StreamRL-like): fixed share; micro-batches are trained as they arrive, each with
-  a Ref->Actor model alternation over PCIe.
+  batch, runs Ref over it, then the Actor (one aggregation round per step).
+- `stream` (StreamRL-like): fixed share; micro-batches are trained as they arrive, by
+  `scheduler.stream_executor` (VSO: a Ref->Actor model swap over PCIe per micro-batch; VS;
+  or RA2P's colocated rounds).
+
+A colocated trainer swaps Ref and Actor between its passes only with
+`scheduler.offload_idle_model` (the real `ra2p.offload_idle_model`); by default both stay
+resident in every mode, and only VSO swaps.
 - `elastic` (verl-like dynamic scaling, `sim/verl_elastic.py`): a fixed standalone rollout
   share; after each weight sync the trainer's own ranks roll out while the trainer would wait,
   when the expected gain exceeds the measured switch cost, with an adaptive deactivate ratio.
@@ -113,7 +118,9 @@ class Simulator:
         self.elastic = self.tide and sched.ers
         self.ra2p_cfg = RA2PConfig(tokens_per_rank=sched.microbatch_tokens, actors_per_ref=sched.ref_actor_ratio)
         self.costs = TrainerCosts(self.hw, self.gpus_per_rank, stats["total_tokens"])
-        self.ra2p_cfg.swap_cost_s = self.costs.swap_s(max(1, self.n_ranks // 2))
+        self.offload = sched.offload_idle_model
+        """Colocated trainers swap Ref and Actor (a swap pair per round); else both stay resident."""
+        self.ra2p_cfg.swap_cost_s = self.costs.swap_s(max(1, self.n_ranks // 2)) if self.offload else 0.0
         self.loop = EventLoop()
         b_min = wl.min_batch_groups * self.G if self.elastic and sched.ers_retention else self.B
         self.buffer = GlobalBuffer(BufferConfig(group_size=self.G, b_min=b_min, b_ideal=self.B,

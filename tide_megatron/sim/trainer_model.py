@@ -8,8 +8,11 @@ and Actor share GPUs:
   is the whole global batch).
 - `colocated_rounds`: RA2P colocated with ready-batch aggregation: the same, in rounds of at
   most `RA2PConfig.aggregation_limit` micro-batches (the limit the cost model assumes).
-- `per_microbatch_alternation`: the same ranks alternate R1 -> A1 -> R2 -> A2 with a swap pair
-  per micro-batch (StreamRL-like vanilla streaming with offload).
+- `per_microbatch_alternation`: the same ranks alternate R1 -> A1 -> R2 -> A2, with a swap pair
+  per micro-batch (StreamRL-like vanilla streaming with offload, VSO) or both models resident (VS).
+
+Whether a colocated trainer swaps at all is `SimSchedulerConfig.offload_idle_model` (the real
+`ra2p.offload_idle_model`): off, both models stay resident and a round pays no swap.
 - `DecoupledPipeline`: Ref on dedicated ranks streams log-probs; the actor's forward overlaps
   the Ref, only its backward (where the loss now lives) waits (RA2P decoupled).
 
@@ -75,9 +78,11 @@ def aggregated_round(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: 
     return swaps * costs.swap_s(dp) + costs.ref_s(busiest) + costs.actor_s(busiest)
 
 
-def colocated_rounds(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: RA2PConfig) -> float:
+def colocated_rounds(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: RA2PConfig,
+                     offload: bool = True) -> float:
     """RA2P colocated: the fed micro-batches in rounds of at most `cfg.aggregation_limit`, each
-    round one Ref load, its Ref forwards, a swap back and its Actor passes."""
+    round one Ref load, its Ref forwards, a swap back and its Actor passes (`offload`; with both
+    models resident no swap)."""
     if not lengths:
         return 0.0
     p = plan(lengths, dp, RA2PMode.COLOCATED, cfg)
@@ -86,19 +91,21 @@ def colocated_rounds(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: 
     for i in range(0, len(p.micro_batches), limit):
         rnd = p.micro_batches[i:i + limit]
         busiest = max(sum(mb.shard_tokens[r] for mb in rnd) for r in range(dp))
-        t += 2 * costs.swap_s(dp) + costs.ref_s(busiest) + costs.actor_s(busiest)
+        t += (2 * costs.swap_s(dp) if offload else 0.0) + costs.ref_s(busiest) + costs.actor_s(busiest)
     return t
 
 
-def per_microbatch_alternation(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: RA2PConfig) -> float:
-    """Vanilla streaming: every micro-batch loads Ref, runs it, loads Actor, runs it."""
+def per_microbatch_alternation(costs: TrainerCosts, lengths: Sequence[int], dp: int, cfg: RA2PConfig,
+                               offload: bool = True) -> float:
+    """Vanilla streaming: every micro-batch runs Ref, then Actor; with `offload` (VSO) each loads
+    its model first, without (VS) both stay resident."""
     if not lengths:
         return 0.0
     p = plan(lengths, dp, RA2PMode.COLOCATED, cfg)
     t = 0.0
     for mb in p.micro_batches:
         busiest = max(mb.shard_tokens)
-        t += 2 * costs.swap_s(dp) + costs.ref_s(busiest) + costs.actor_s(busiest)
+        t += (2 * costs.swap_s(dp) if offload else 0.0) + costs.ref_s(busiest) + costs.actor_s(busiest)
     return t
 
 

@@ -55,7 +55,8 @@ def run_sync(sim):
         rollout_end = sim.loop.now
         batch = sim.take_batch()
         switch = sim.hw.colocate_switch_s(sim.n_ranks)
-        train = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.n_ranks, sim.ra2p_cfg)
+        train = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.n_ranks, sim.ra2p_cfg,
+                                 swaps=2 if sim.offload else 0)
         # engines sleep (KV released) through switch + train + local reshard + switch back
         busy = 2 * switch + train + sim.sync_s
         sim.cluster.flush_all(sim.loop.now, busy)
@@ -77,7 +78,7 @@ def run_sync(sim):
 
 def run_sync_split(sim):
     """Synchronous on a fixed split (`sync_split`): the rollout ranks roll out the step's global
-    batch, then the trainer ranks train it (Ref over the batch, Actor; both resident) while
+    batch, then the trainer ranks train it (Ref over the batch, then Actor) while
     rollout idles; the weights go out; no rank changes side."""
     rollout, sim.trainer_ranks = sim.static_split()
     sim.set_rollout(rollout, 0.0)
@@ -88,7 +89,8 @@ def run_sync_split(sim):
         sim.submit(sim.new_groups(sim.cfg.workload.batch_groups))
         wait, batch = yield from wait_batch(sim, lambda: sim.ready_trajectories >= sim.B)
         rollout_end = sim.loop.now
-        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg, swaps=0)
+        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg,
+                               swaps=2 if sim.offload else 0)
         yield dur
         yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
                                    dict(rollout_s=rollout_end - start, train_s=dur, wait_s=wait,
@@ -105,7 +107,8 @@ def run_barrier(sim):
         start = sim.loop.now
         sim.begin_step(start)
         wait, batch = yield from wait_batch(sim, lambda: sim.ready_trajectories >= sim.B)
-        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg)
+        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg,
+                               swaps=2 if sim.offload else 0)
         yield dur
         yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
                                    dict(rollout_s=0.0, train_s=dur, wait_s=wait, ra2p_mode="colocated"))
@@ -144,7 +147,8 @@ def run_elastic(sim):
         ready_before = sim.ready_trajectories
         wait, batch = yield from wait_batch(sim, lambda: sim.ready_trajectories >= sim.B)
         waited_samples = max(0, sim.B - ready_before) if wait > 0 else 0
-        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg)
+        dur = aggregated_round(sim.costs, sequence_lengths(batch.groups), sim.trainer_ranks, sim.ra2p_cfg,
+                               swaps=2 if sim.offload else 0)
         yield dur
         policy.after_step(sim.B, sim.loop.now - dur - t0 if waited_samples else 0.0, waited_samples, switch_s)
         yield from sim.finish_step(step, start, batch.num_trajectories, batch.generated_tokens,
@@ -219,8 +223,10 @@ def run_stream(sim):
             if pipeline is not None:
                 busy_until = pipeline.submit(sim.loop.now, lengths)
                 continue
-            dur = per_microbatch_alternation(sim.costs, lengths, dp, ra2p) if vanilla \
-                else colocated_rounds(sim.costs, lengths, dp, ra2p)
+            if vanilla and sched.stream_executor != "colocated":
+                dur = per_microbatch_alternation(sim.costs, lengths, dp, ra2p, offload=sched.stream_executor == "vso")
+            else:
+                dur = colocated_rounds(sim.costs, lengths, dp, ra2p, offload=sim.offload)
             compute += dur
             yield dur
             busy_until = sim.loop.now

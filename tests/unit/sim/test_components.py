@@ -5,7 +5,10 @@ import pytest
 from tide_megatron.core.ra2p import RA2PConfig
 from tide_megatron.sim.hardware import HardwareModel
 from tide_megatron.sim.simulator import Simulator
-from tide_megatron.sim.trainer_model import TrainerCosts, aggregated_round, per_microbatch_alternation
+from tide_megatron.sim import run_simulation
+from tide_megatron.core.roles import RA2PMode
+from tide_megatron.sim.trainer_model import (TrainerCosts, aggregated_round, colocated_rounds,
+                                            per_microbatch_alternation, plan)
 from tide_megatron.sim.workload import WorkloadModel
 
 
@@ -49,6 +52,32 @@ def test_stream_swaps_per_micro_batch(small_config):
     n_mb = round((alternating - compute) / (2 * costs.swap_s(4)))
     assert n_mb >= 4  # two model loads per micro-batch, not per step
     assert alternating > aggregated
+
+
+def test_only_an_offloading_trainer_pays_swaps(small_config):
+    # VS and resident colocated rounds pay no swap; VSO and offloading rounds pay a pair each.
+    cfg = small_config()
+    costs = TrainerCosts(HardwareModel(cfg.hardware, cfg.model), 1, 3000)
+    ra2p = RA2PConfig(tokens_per_rank=8192, aggregation_limit=2)
+    lengths = [3000] * 64
+    vs = per_microbatch_alternation(costs, lengths, 4, ra2p, offload=False)
+    vso = per_microbatch_alternation(costs, lengths, 4, ra2p, offload=True)
+    resident = colocated_rounds(costs, lengths, 4, ra2p, offload=False)
+    offloading = colocated_rounds(costs, lengths, 4, ra2p, offload=True)
+    assert vs >= resident  # the same passes (a round waits for its busiest rank once, not per micro-batch)
+    pair = 2 * costs.swap_s(4)
+    n_mb = len(plan(lengths, 4, RA2PMode.COLOCATED, ra2p).micro_batches)
+    assert n_mb >= 4
+    assert (vso - vs) / pair == pytest.approx(n_mb)  # a pair per micro-batch
+    assert (offloading - resident) / pair == pytest.approx(-(-n_mb // ra2p.aggregation_limit))  # a pair per round
+
+
+def test_stream_runs_the_executor_it_is_given(small_config):
+    runs = {ex: run_simulation(small_config("mode=stream", f"scheduler.stream_executor={ex}"))
+            for ex in ("vso", "vs", "colocated")}
+    assert runs["vs"].goodput > runs["vso"].goodput  # the same schedule, without the swaps
+    with pytest.raises(ValueError, match="stream_executor"):
+        small_config("mode=stream", "scheduler.stream_executor=dm")
 
 
 def test_request_level_evicts_waiting_prefixes_and_ctb_keeps_them(small_config):
