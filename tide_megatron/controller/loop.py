@@ -208,6 +208,9 @@ class Controller:
             twt = time.perf_counter() - t0
             ers_twt, loan_end = self._end_cold_start(twt)
             outcome = self.trainer.train_batch(list(batch.groups), arrival)
+        if outcome.choice is None and self.roles.enabled:  # ERS's layout chose the mode: its model's error
+            self.trainer.selector.correction.observe(outcome.mode, self.roles.predicted_step_s(outcome.mode),
+                                                     outcome.report.wall_s)
         loan_s = loan_end.get("ers/cold_start_end_s", 0.0)  # the role change, not training
         train_s = time.perf_counter() - t0 - twt - loan_s
         readiness = self.rollout.call(self.rollout.close_step)
@@ -220,7 +223,8 @@ class Controller:
         # after the last step no step follows to use new roles.
         ers = self.roles.after_update(self.step, self._ers_measurements(outcome, ers_twt, train_s),
                                       *self.trainer.selector.cost_inputs(),
-                                      expected_eval_s=self._eval_s if self._eval_due() else 0.0) \
+                                      expected_eval_s=self._eval_s if self._eval_due() else 0.0,
+                                      correction=self.trainer.selector.correction) \
             if self.roles.enabled and not self._last_step_done() else {}
         # The weights go out before admission resumes under the new version: a rank reads its
         # LoadWeights before any task started after it.

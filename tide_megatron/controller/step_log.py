@@ -147,7 +147,9 @@ class StepLog:
                            "ra2p/cost_colocated": outcome.choice.cost_colocated,
                            "ra2p/break_even_ras": outcome.choice.break_even_ras,
                            # `ras` above counts the log's unit; these count the decision's micro-batch
-                           "ra2p/ras": outcome.choice.ras, "ra2p/micro_batches": outcome.choice.micro_batches})
+                           "ra2p/ras": outcome.choice.ras, "ra2p/micro_batches": outcome.choice.micro_batches,
+                           **{f"ra2p/latency_factor_{m.value}": f
+                              for m, f in self.trainer.selector.correction.ratios.items()}})
         topo, end = self.trainer.topo, self.timeline.now()
         decoupled = outcome.mode is RA2PMode.DECOUPLED
         self.timeline.step(TimelineStep(

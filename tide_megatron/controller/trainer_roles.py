@@ -136,6 +136,13 @@ class TrainerRoles:
         """Roles may change at a boundary (ERS, or time sharing)."""
         return self.time_share or (self.cfg.enabled and (len(self.ranks) >= 2 or self.moves_split))
 
+    def predicted_step_s(self, mode: RA2PMode) -> float:
+        """The latency ERS's layout predicted for a step in `mode` under the plan in force
+        (NaN: no prediction, e.g. on a loan or before ERS planned)."""
+        if self._on_loan or self.plan.mode is not mode:
+            return math.nan
+        return float(self.plan.extras.get(f"latency_{mode.value}_s", math.nan))
+
     def _whole_world_plan(self) -> RolePlan:
         """Time sharing's training split: every whole TP block trains (colocated)."""
         trainers = self.world // self.tp * self.tp
@@ -237,10 +244,11 @@ class TrainerRoles:
         return {"ers/cold_start_end_s": out["ers/role_change_s"]} if "ers/role_change_s" in out else {}
 
     def after_update(self, step: int, m: ERSMeasurements, times, ra2p=None,
-                     expected_eval_s: float = 0.0) -> dict[str, float | str]:
+                     expected_eval_s: float = 0.0, correction=None) -> dict[str, float | str]:
         """Plan the next step's roles and move to them; returns metrics for the step (numbers,
-        and the plan's reason as `ers/reason`). `times`, `ra2p`: RA2P's cost inputs as the
-        trainer's mode selector measured them (`ModeSelector.cost_inputs`); `expected_eval_s`:
+        and the plan's reason as `ers/reason`). `times`, `ra2p`, `correction`: RA2P's cost
+        inputs as the trainer's mode selector measured them (`ModeSelector.cost_inputs`, its
+        latency correction); `expected_eval_s`:
         an evaluation starts at this boundary and is expected to take this long (0: none
         starts, or its length is not measured yet)."""
         if not self.enabled:
@@ -249,7 +257,8 @@ class TrainerRoles:
         if self.time_share:
             return self._lend_for_rollout(step, f"time sharing: step {step + 1}'s rollout")
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
-        plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p)
+        plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p,
+                                                                  correction=correction)
         self.rollout_resized = False  # read into `m`; the next window starts with this plan's moves
         # what ERS read and concluded (rates, shares, decode slowdown, target split), for the
         # logs; `ers/reason` says why, also when the split is held

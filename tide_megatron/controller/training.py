@@ -145,6 +145,7 @@ class TrainerDriver:
         mode, choice = self.choose(tokens, tokens, arrival_tokens_per_s)
         step = self._open(mode, [t for g in groups for t in g.trajectories], late=0)
         result, report, waited = self._run(mode, step)
+        self._learn(mode, choice, report)
         self._note_groups(groups)
         return StepOutcome(result, report, mode, choice, list(groups), arrival_wait_s=waited,
                            assignment=self.assignment)
@@ -167,9 +168,15 @@ class TrainerDriver:
         if late > 0:
             stream_into(step.feed.local_source, late, on_group)
         result, report, waited = self._run(mode, step)
+        self._learn(mode, choice, report)
         self._note_groups(consumed)
         return StepOutcome(result, report, mode, choice, consumed, arrival_wait_s=waited,
                            assignment=self.assignment)
+
+    def _learn(self, mode: RA2PMode, choice: Optional[ModeChoice], report) -> None:
+        """A step RA2P chose: its measured latency against the prediction it was chosen on."""
+        if choice is not None:
+            self.selector.observe(mode, report.wall_s)
 
     def _open(self, mode: RA2PMode, trajs: list[Trajectory], late: int,
               arrival_timeout_s: float = REPLY_TIMEOUT_S) -> _OpenStep:

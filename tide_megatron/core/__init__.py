@@ -59,6 +59,7 @@ from tide_megatron.core.ctb import (
 )
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.ra2p import (
+    LatencyCorrection,
     MicroBatchPlan,
     MicroBatchTimes,
     ModeChoice,
@@ -90,7 +91,7 @@ from tide_megatron.core.signals import (
 
 __all__ = [
     "Admit", "BufferConfig", "CTBConfig", "CTBScheduler", "CompletedGroup", "Decision",
-    "ERSConfig", "ERSController", "ERSMeasurements", "GlobalBuffer", "GroupFate", "GroupRecord", "LedgerError",
+    "ERSConfig", "ERSController", "ERSMeasurements", "GlobalBuffer", "GroupFate", "GroupRecord", "LatencyCorrection", "LedgerError",
     "MicroBatchPlan", "MicroBatchTimes", "ModeChoice", "Pause", "PlannedMicroBatch", "RA2PConfig", "RA2PMode",
     "RankPool", "ReadinessEstimate", "ReadinessEstimator", "ReadinessMeter", "Requeue", "Resume", "Role",
     "RolePlan", "RolloutTask", "Segment", "SignalsConfig", "StepReadiness", "TaskState", "TaskStatus", "TokenAudit",

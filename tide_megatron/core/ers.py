@@ -86,7 +86,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from tide_megatron.core.ra2p import MicroBatchTimes, RA2PConfig, TrainerLayout, trainer_layout
+from tide_megatron.core.ra2p import LatencyCorrection, MicroBatchTimes, RA2PConfig, TrainerLayout, trainer_layout
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
 
 
@@ -265,13 +265,15 @@ class ERSController:
         return RolePlan(roles, RA2PMode.COLOCATED, reason="initial split", step=-1, changed=True)
 
     def plan(self, current: RolePlan, m: ERSMeasurements, times: MicroBatchTimes, *, step: int,
-             rollout_load: Optional[Mapping[int, float]] = None, ra2p: Optional[RA2PConfig] = None) -> RolePlan:
+             rollout_load: Optional[Mapping[int, float]] = None, ra2p: Optional[RA2PConfig] = None,
+             correction: Optional[LatencyCorrection] = None) -> RolePlan:
         """The role plan for the next step from the window's measurements (module docstring).
 
         `current`: the reactive plan in force (not a loan). `times`: RA2P's per-micro-batch
         compute times (measured by the executors). `rollout_load`: resident tokens per rollout
         rank, to pick which rank to reclaim. `ra2p`: the cost model with its measured values
         (the swap cost), where the caller measures them; else the one given at construction.
+        `correction`: the RA2P latency model's measured error per mode, where the caller tracks it.
         """
         self._check(current)
         if not self.config.enabled:
@@ -288,7 +290,7 @@ class ERSController:
             n_roll, why = r_now, f"cooldown after the move at step {self.last_move_step} ({why})"
         if n_roll != r_now:
             self.last_move_step = step
-        layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p)
+        layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p, correction)
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
                   "trainer_rate": self.trainer_rate or 0.0, "rollout_rate": self.rollout_rate or 0.0,
@@ -403,13 +405,13 @@ class ERSController:
         return -(-ranks // b) * b
 
     def _layout(self, trainer_ranks: int, m: ERSMeasurements, times: MicroBatchTimes,
-                ra2p: RA2PConfig) -> TrainerLayout:
+                ra2p: RA2PConfig, correction: Optional[LatencyCorrection] = None) -> TrainerLayout:
         if not self.step_tokens:
             return TrainerLayout(RA2PMode.COLOCATED, trainer_ranks, 0, math.nan, math.nan, 1)
         # RA2P's cost model counts data-parallel replicas: with TP blocks, whole blocks
         b = self.config.rank_block
         lay = trainer_layout(trainer_ranks // b, ras_tokens=m.ras_tokens, arrival_tokens_per_s=m.arrival_tokens_per_s,
-                             step_tokens=self.step_tokens, times=times, cfg=ra2p)
+                             step_tokens=self.step_tokens, times=times, cfg=ra2p, correction=correction)
         return dataclasses.replace(lay, actor_ranks=lay.actor_ranks * b, ref_ranks=lay.ref_ranks * b)
 
     # ------------------------------------------------------------------ roles

@@ -49,6 +49,14 @@ micro-batch of the trainer it evaluates, D x tokens_per_rank (`in_micro_batches`
 TPRM, N and the per-micro-batch times always count the same micro-batch. A real run once
 passed its group count as N and its costs per executed micro-batch: off by about D at DP > 1.
 
+Model error, learned online (`LatencyCorrection`). Both latencies are models; where they come
+close, which mode wins depends on what they leave out (how the pipeline actually fills, how
+arrivals cluster), and a mode chosen on a near-tie can run slower than the other would have
+(seen in the simulator: decoupled chosen on a 2-4% predicted lead, realized 10% slower). So
+each step's measured latency is compared with the chosen mode's prediction, and each mode's
+prediction is scaled by its smoothed measured/predicted ratio before the comparison. A mode
+never run keeps the factor 1; a mode whose predictions ran long stops winning near-ties.
+
 Just-in-time feeding (`should_feed`): a running step is fed ready work in saturating
 micro-batches. Decoupled: one micro-batch as soon as D x tokens_per_rank tokens are ready, or
 whatever is ready when the actor would otherwise idle (a trickle of a few sequences over many
@@ -58,6 +66,7 @@ Either way the last of the step goes as soon as it is all there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Optional, Sequence, Union
@@ -185,6 +194,29 @@ def colocated_round_size(ras: float, tprm_s: float, n: int, times: MicroBatchTim
     return best
 
 
+@dataclass
+class LatencyCorrection:
+    """Each mode's measured over predicted step latency, smoothed (module docstring, "Model
+    error, learned online"): the factor its predicted latency (and cost) is scaled by."""
+
+    alpha: float = 0.5
+    """Weight of the newest step in the smoothed ratio (as ERS's rates: steps alternate between
+    backlog-fed and arrival-fed, so single steps mislead)."""
+    ratios: dict = dataclasses.field(default_factory=dict)
+    """RA2PMode -> smoothed measured/predicted latency."""
+
+    def observe(self, mode: RA2PMode, predicted_s: float, measured_s: float) -> None:
+        """A step ran in `mode`: it was predicted to take `predicted_s` and took `measured_s`."""
+        if not (predicted_s > 0 and math.isfinite(predicted_s)) or measured_s <= 0:
+            return
+        ratio = measured_s / predicted_s
+        old = self.ratios.get(mode)
+        self.ratios[mode] = ratio if old is None else old + self.alpha * (ratio - old)
+
+    def factor(self, mode: RA2PMode) -> float:
+        return self.ratios.get(mode, 1.0)
+
+
 @dataclass(frozen=True)
 class ModeChoice:
     """RA2P's decision for one step, with the numbers behind it."""
@@ -223,6 +255,13 @@ def mode_costs(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: R
     return (dp_size + f) * l_dec, dp_size * l_col, l_dec, l_col
 
 
+def _factors(correction: Optional[LatencyCorrection]) -> tuple[float, float]:
+    """(decoupled, colocated) factors a comparison scales the model's latencies or costs by."""
+    if correction is None:
+        return 1.0, 1.0
+    return correction.factor(RA2PMode.DECOUPLED), correction.factor(RA2PMode.COLOCATED)
+
+
 def break_even_ras(tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig, dp_size: int,
                    ref_ranks: Optional[int] = None) -> float:
     """Smallest integer RAS r such that C_dec <= C_col for every RAS in [r, N]; inf if none.
@@ -240,23 +279,28 @@ def break_even_ras(tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfi
 
 
 def choose_mode(ras: float, tprm_s: float, n: int, times: MicroBatchTimes, cfg: RA2PConfig,
-                dp_size: int, *, ref_rank_available: bool = True, ref_ranks: Optional[int] = None) -> ModeChoice:
+                dp_size: int, *, ref_rank_available: bool = True, ref_ranks: Optional[int] = None,
+                correction: Optional[LatencyCorrection] = None) -> ModeChoice:
     """DECOUPLED iff C_dec < C_col and a Ref rank can be had; ties go to COLOCATED (fewer ranks).
-    RAS, TPRM, N and `times` count micro-batches of D x tokens_per_rank tokens."""
+    RAS, TPRM, N and `times` count micro-batches of D x tokens_per_rank tokens. The costs are
+    compared as scaled by `correction`; the choice reports the model's own (unscaled) figures,
+    which is what the next step's measured latency is compared with."""
     c_dec, c_col, l_dec, l_col = mode_costs(ras, tprm_s, n, times, cfg, dp_size, ref_ranks)
-    mode = RA2PMode.DECOUPLED if ref_rank_available and c_dec < c_col else RA2PMode.COLOCATED
+    f_dec, f_col = _factors(correction)
+    mode = RA2PMode.DECOUPLED if ref_rank_available and c_dec * f_dec < c_col * f_col else RA2PMode.COLOCATED
     return ModeChoice(mode, c_dec, c_col, l_dec, l_col,
                       break_even_ras(tprm_s, n, times, cfg, dp_size, ref_ranks), ras=ras, micro_batches=n)
 
 
 def choose_mode_for_tokens(dp_size: int, *, ras_tokens: float, arrival_tokens_per_s: float, step_tokens: float,
-                           times: MicroBatchTimes, cfg: RA2PConfig, ref_ranks: int = 0) -> ModeChoice:
+                           times: MicroBatchTimes, cfg: RA2PConfig, ref_ranks: int = 0,
+                           correction: Optional[LatencyCorrection] = None) -> ModeChoice:
     """`choose_mode` for a trainer whose ranks are fixed (no ERS), from readiness in tokens:
     `dp_size` actor ranks, `ref_ranks` dedicated Ref ranks (0: none, colocated only)."""
     ras, tprm, n = in_micro_batches(dp_size, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
                                     step_tokens=step_tokens, cfg=cfg)
     return choose_mode(ras, tprm, n, times, cfg, dp_size, ref_rank_available=ref_ranks > 0,
-                       ref_ranks=ref_ranks or None)
+                       ref_ranks=ref_ranks or None, correction=correction)
 
 
 @dataclass(frozen=True)
@@ -276,13 +320,15 @@ class TrainerLayout:
 
 
 def trainer_layout(trainer_ranks: int, *, ras_tokens: float, arrival_tokens_per_s: float, step_tokens: float,
-                   times: MicroBatchTimes, cfg: RA2PConfig) -> TrainerLayout:
+                   times: MicroBatchTimes, cfg: RA2PConfig,
+                   correction: Optional[LatencyCorrection] = None) -> TrainerLayout:
     """The RA2P mode for a trainer of `trainer_ranks` ranks, from readiness measured in tokens.
 
     Both candidates hold the same ranks (ERS fixed the trainer's size), so their step latencies
     compare directly: colocated on all of them, or decoupled with F = round(T / (actors_per_ref
     + 1)) of them as Ref ranks. Each candidate's micro-batch is D x tokens_per_rank, and RAS,
-    TPRM and the step's micro-batch count are converted with it. Ties go to colocated.
+    TPRM and the step's micro-batch count are converted with it. The latencies are compared as
+    scaled by `correction` (their measured error) and reported unscaled. Ties go to colocated.
     """
     if trainer_ranks < 1:
         raise ValueError("trainer_ranks must be >= 1")
@@ -299,7 +345,8 @@ def trainer_layout(trainer_ranks: int, *, ras_tokens: float, arrival_tokens_per_
         f = min(trainer_ranks - 1, max(1, round(trainer_ranks / (cfg.actors_per_ref + 1))))
         ras_d, tprm_d, n_d = signals(trainer_ranks - f)
         l_dec = decoupled_latency(ras_d, tprm_d, n_d, times, cfg, trainer_ranks - f, f)
-    if l_dec < l_col:
+    f_dec, f_col = _factors(correction)
+    if l_dec * f_dec < l_col * f_col:
         return TrainerLayout(RA2PMode.DECOUPLED, trainer_ranks - f, f, l_col, l_dec, k)
     return TrainerLayout(RA2PMode.COLOCATED, trainer_ranks, 0, l_col, l_dec, k)
 

@@ -45,6 +45,7 @@ or prefill (starved by the staleness throttle, the barrier or the env).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -54,7 +55,7 @@ from tide_megatron.core.trajectory import Trajectory
 from tide_megatron.core.ctb import CTBConfig
 from tide_megatron.core.ctb_deadline import ConsumptionMeter, TrainerClock
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
-from tide_megatron.core.ra2p import RA2PConfig, trainer_layout
+from tide_megatron.core.ra2p import LatencyCorrection, RA2PConfig, trainer_layout
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
 from tide_megatron.core.signals import SignalsConfig
 from tide_megatron.sim.config import MODES, SimConfig
@@ -118,6 +119,10 @@ class Simulator:
         self.elastic = self.tide and sched.ers
         self.ra2p_cfg = RA2PConfig(tokens_per_rank=sched.microbatch_tokens, actors_per_ref=sched.ref_actor_ratio)
         self.costs = TrainerCosts(self.hw, self.gpus_per_rank, stats["total_tokens"])
+        self.latency_correction = LatencyCorrection()
+        """RA2P's latency model error per mode, learned from the steps (core `LatencyCorrection`)."""
+        self.predicted_step_s = math.nan
+        """The chosen layout's predicted latency for the running step (NaN: no prediction)."""
         self.offload = sched.offload_idle_model
         """Colocated trainers swap Ref and Actor (a swap pair per round); else both stay resident."""
         self.ra2p_cfg.swap_cost_s = self.costs.swap_s(max(1, self.n_ranks // 2)) if self.offload else 0.0
@@ -435,9 +440,11 @@ class Simulator:
 
     def layout(self) -> tuple:
         """(RA2P mode, actor ranks, dedicated Ref ranks, colocated round size) of the next step."""
+        self.predicted_step_s = math.nan
         if self.plan is not None and self.elastic:
             extras = self.plan.extras
             k = int(extras.get("round_micro_batches", 1) or 1)
+            self.predicted_step_s = extras.get(f"latency_{self.plan.mode.value}_s", math.nan)
             return self.plan.mode, len(self.plan.actor_ranks), len(self.plan.ranks_with(Role.REF)), k
         t = self.trainer_ranks
         est = self.buffer.estimate()
@@ -445,7 +452,9 @@ class Simulator:
             return RA2PMode.COLOCATED, t, 0, 1
         lay = trainer_layout(t, ras_tokens=self.ready_tokens, arrival_tokens_per_s=est.arrival_tokens_per_s,
                              step_tokens=self.B * self.costs.mean_seq_len,
-                             times=self.costs.microbatch_times(self.ra2p_cfg.tokens_per_rank), cfg=self.ra2p_cfg)
+                             times=self.costs.microbatch_times(self.ra2p_cfg.tokens_per_rank), cfg=self.ra2p_cfg,
+                             correction=self.latency_correction)
+        self.predicted_step_s = lay.latency_decoupled_s if lay.mode is RA2PMode.DECOUPLED else lay.latency_colocated_s
         return lay.mode, lay.actor_ranks, lay.ref_ranks, lay.round_micro_batches
 
     # ======================================================================= step boundary
@@ -540,7 +549,8 @@ class Simulator:
         m = self._measurements()
         load = {r: float(self.cluster.ranks[r].footprint) for r in self.cluster.active}
         times = self.costs.microbatch_times(self.ra2p_cfg.tokens_per_rank)
-        plan = self.ers.plan(self.base_plan, m, times, step=step, rollout_load=load)
+        plan = self.ers.plan(self.base_plan, m, times, step=step, rollout_load=load,
+                             correction=self.latency_correction)
         if not sched.ra2p and plan.mode is RA2PMode.DECOUPLED:  # no decoupled mode without RA2P
             plan = RolePlan({r: (Role.ACTOR_REF if role.is_trainer else role) for r, role in plan.roles.items()},
                             RA2PMode.COLOCATED, plan.reason, plan.step, plan.changed, plan.extras)

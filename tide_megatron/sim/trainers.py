@@ -232,6 +232,8 @@ def run_stream(sim):
             busy_until = sim.loop.now
         if sim.loop.now < busy_until:
             yield busy_until - sim.loop.now
+        if not vanilla:  # what the mode's predicted latency is judged against
+            sim.latency_correction.observe(mode, sim.predicted_step_s, sim.loop.now - start)
         if pipeline is not None:
             compute = sim.loop.now - start - wait
         if sim.window is not None:

@@ -217,3 +217,44 @@ def test_trainer_layout_converts_tokens_with_its_own_micro_batch():
 def test_should_feed_paces_a_step_just_in_time(mode, ready, idle, last, k, expected):
     cfg = RA2PConfig(tokens_per_rank=1000)
     assert should_feed(mode, ready, 4, cfg, trainer_idle=idle, completes_step=last, round_micro_batches=k) is expected
+
+
+def test_a_mode_whose_latency_ran_long_stops_winning_near_ties():
+    from tide_megatron.core import LatencyCorrection
+
+    cfg = RA2PConfig(tokens_per_rank=1000, swap_cost_s=1.0, pipeline_fill_s=0.0)
+    kw = dict(ras_tokens=20_000, arrival_tokens_per_s=4000.0, step_tokens=80_000, times=TIMES, cfg=cfg)
+    plain = trainer_layout(8, **kw)
+    margin = plain.latency_colocated_s / plain.latency_decoupled_s
+    assert plain.mode is RA2PMode.DECOUPLED and 1.0 < margin < 1.1  # a near-tie
+    correction = LatencyCorrection()
+    assert trainer_layout(8, correction=correction, **kw) == plain  # nothing measured: the model alone
+    # decoupled steps ran 10% over their prediction: the near-tie goes to colocated
+    correction.observe(RA2PMode.DECOUPLED, 100.0, 100.0 * margin * 1.1)
+    corrected = trainer_layout(8, correction=correction, **kw)
+    assert corrected.mode is RA2PMode.COLOCATED
+    # reported latencies stay the model's own: what the next measurement is judged against
+    assert (corrected.latency_colocated_s, corrected.latency_decoupled_s) == \
+        (plain.latency_colocated_s, plain.latency_decoupled_s)
+    # choose_mode compares costs scaled by the same factors
+    args = (0, 0.0, 8, TIMES, CFG, 3)
+    assert choose_mode(*args).mode is RA2PMode.DECOUPLED
+    c = choose_mode(*args)
+    slow = LatencyCorrection()
+    slow.observe(RA2PMode.DECOUPLED, 1.0, 1.01 * c.cost_colocated / c.cost_decoupled)
+    flipped = choose_mode(*args, correction=slow)
+    assert flipped.mode is RA2PMode.COLOCATED and flipped.cost_decoupled == c.cost_decoupled
+
+
+def test_latency_correction_smooths_and_ignores_what_it_cannot_judge():
+    from tide_megatron.core import LatencyCorrection
+
+    c = LatencyCorrection(alpha=0.5)
+    assert c.factor(RA2PMode.COLOCATED) == 1.0
+    c.observe(RA2PMode.COLOCATED, 10.0, 20.0)
+    assert c.factor(RA2PMode.COLOCATED) == 2.0
+    c.observe(RA2PMode.COLOCATED, 10.0, 10.0)
+    assert c.factor(RA2PMode.COLOCATED) == 1.5
+    for predicted, measured in ((math.nan, 5.0), (math.inf, 5.0), (0.0, 5.0), (10.0, 0.0)):
+        c.observe(RA2PMode.DECOUPLED, predicted, measured)
+    assert c.factor(RA2PMode.DECOUPLED) == 1.0

@@ -99,6 +99,21 @@ def test_measured_swap_cost_drives_the_choice():
     assert selector.summary()["mode"] == "decoupled"
 
 
+def test_a_chosen_mode_that_ran_over_its_prediction_loses_the_next_close_call():
+    selector = _selector(_measured_meter())
+    burst = _choose(selector, 16, 0.0, 16)
+    assert burst.mode is RA2PMode.DECOUPLED
+    # the step took longer than colocated was predicted to (per rank-second): the same readiness
+    # now goes to colocated, and the figures it reports are the model's own
+    ranks_dec = 3 + 1  # three actor ranks and a Ref rank
+    selector.observe(RA2PMode.DECOUPLED, 1.1 * burst.cost_colocated / ranks_dec)
+    assert selector.correction.factor(RA2PMode.DECOUPLED) == pytest.approx(
+        1.1 * burst.cost_colocated / (ranks_dec * burst.latency_decoupled))
+    again = _choose(selector, 16, 0.0, 16)
+    assert again.mode is RA2PMode.COLOCATED and again.cost_decoupled == pytest.approx(burst.cost_decoupled)
+    assert selector.summary()["latency_factors"]["decoupled"] > 1.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(dp=st.integers(1, 8), ras_tokens=st.integers(0, 200_000), step_extra=st.integers(1, 200_000),
        rate=st.floats(10.0, 1e6), ref_ranks=st.integers(1, 3))

@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tide_megatron.core.ra2p import MicroBatchTimes, ModeChoice, RA2PConfig, choose_mode_for_tokens
+from tide_megatron.core.ra2p import LatencyCorrection, MicroBatchTimes, ModeChoice, RA2PConfig, choose_mode_for_tokens
+from tide_megatron.core.roles import RA2PMode
 from tide_megatron.trainer.ra2p.timing import CostMeter
 
 
@@ -40,6 +41,8 @@ class ModeSelector:
     cfg: ModeSelectorConfig = field(default_factory=ModeSelectorConfig)
     meter: CostMeter = field(default_factory=CostMeter)
     last: Optional[ModeChoice] = None
+    correction: LatencyCorrection = field(default_factory=LatencyCorrection)
+    """The latency model's measured error per mode (`observe`); choices and ERS's layout use it."""
 
     def cost_inputs(self) -> tuple[MicroBatchTimes, RA2PConfig]:
         """(times of one cost-model micro-batch, cost-model config) with measured values where
@@ -53,13 +56,22 @@ class ModeSelector:
         `dp_size` actor ranks and `ref_ranks` dedicated Ref ranks (0: colocated only)."""
         times, ra2p_cfg = self.cost_inputs()
         self.last = choose_mode_for_tokens(dp_size, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
-                                           step_tokens=step_tokens, times=times, cfg=ra2p_cfg, ref_ranks=ref_ranks)
+                                           step_tokens=step_tokens, times=times, cfg=ra2p_cfg, ref_ranks=ref_ranks,
+                                           correction=self.correction)
         return self.last
+
+    def observe(self, mode: RA2PMode, measured_s: float) -> None:
+        """The step of the last choice ran in `mode` and took `measured_s` (the executor's wall
+        time, arrival waits included, as the latency model counts it)."""
+        if self.last is not None:
+            predicted = self.last.latency_decoupled if mode is RA2PMode.DECOUPLED else self.last.latency_colocated
+            self.correction.observe(mode, predicted, measured_s)
 
     def summary(self) -> dict:
         times, ra2p_cfg = self.cost_inputs()
         out = dict(dataclasses.asdict(times), swap_cost_s=ra2p_cfg.swap_cost_s,
-                   measured=sorted(self.meter.values))
+                   measured=sorted(self.meter.values),
+                   latency_factors={m.value: f for m, f in self.correction.ratios.items()})
         if self.last is not None:
             out.update(mode=self.last.mode.value, cost_decoupled=self.last.cost_decoupled,
                        cost_colocated=self.last.cost_colocated, break_even_ras=self.last.break_even_ras,
