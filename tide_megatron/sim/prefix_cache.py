@@ -174,15 +174,20 @@ class RadixPrefixCache:
 
     def flush(self) -> None:
         """Weight sync: the tree is dropped; running requests recompute their context under the
-        new weights and hold it privately until they end."""
+        new weights and hold it privately until they end. A group's prompt stays shared: its
+        first running member holds it, the others only their own tail, so the pool never holds
+        more than before the flush (counting the prompt once per member overflowed it)."""
         self.prompts.clear()
         self.chains.clear()
         self._heap.clear()
         self.tree_tokens = 0
+        holding_prompt = set()
         for r in self.running.values():
             if r.locked:
-                self.private_tokens += r.context
-                r.private += r.context
+                held = r.context if r.group not in holding_prompt else max(0, r.context - r.prompt)
+                holding_prompt.add(r.group)
+                self.private_tokens += held
+                r.private += held
                 r.locked = False
 
     def refresh_waiting(self, queued: Iterable[Tuple[int, int]]) -> None:

@@ -1,7 +1,7 @@
 """The simulated engines' KV pool: SGLang's radix prefix cache with LRU eviction
 (tide_megatron/sim/prefix_cache.py), the same model under request-level scheduling and CTB."""
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tide_megatron.sim.prefix_cache import RadixPrefixCache
@@ -151,6 +151,8 @@ def _ops(draw):
 
 @settings(max_examples=200, deadline=None)
 @given(_ops())
+@example((200, False, [{"group": 0, "prompt": 99, "gen": 1, "obs": 1}, {"group": 0, "prompt": 16, "gen": 2, "obs": 1}],
+          [("start", 0, False), ("start", 1, False), ("flush", 0, False)]))  # a shared prompt at a flush
 def test_ledger_stays_within_the_pool(case):
     """Driven as RolloutRank drives it (room made before a request starts), the pool's ledger
     never goes negative nor above the pool, and tree/nodes/running requests stay consistent."""
