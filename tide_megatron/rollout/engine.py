@@ -28,7 +28,9 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -122,6 +124,12 @@ def _signal_handler_class(engine: "RolloutEngine"):
     return RankSignalHandler
 
 
+async def _default_sigterm() -> None:
+    """SIGTERM back to its default (the process ends). On the running loop: uvloop, SGLang's
+    loop, removes a handler only while it runs."""
+    asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+
+
 class RolloutEngine:
     """An SGLang engine serving one rollout rank."""
 
@@ -171,6 +179,13 @@ class RolloutEngine:
         # read here directly.)
         init_info = self._engine._scheduler_init_result.scheduler_infos[0]
         state = self.loop.run_until_complete(self._tm.get_internal_state())[0]
+        # That first run also gave SIGTERM a handler that only flags a drain SGLang's HTTP
+        # server acts on: the rank would outlive torchrun's closing SIGTERM (its scheduler, in
+        # the rank's process group, dies of it and the rank starts a new engine) until
+        # torchrun's SIGKILL 30 s later, which delays every restart of the job. A rank stops
+        # on SIGTERM, as rank 0 does. (SGLang installs it from the main thread only.)
+        if threading.current_thread() is threading.main_thread():
+            self.loop.run_until_complete(_default_sigterm())
         self.kv_tokens: int = int(init_info["max_total_num_tokens"])
         """Tokens the engine's KV pool holds."""
         self.request_rows: int = int(state["effective_max_running_requests_per_dp"])
