@@ -18,10 +18,10 @@ other ranks are collected with a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
