@@ -28,6 +28,9 @@ run() {  # NAME TIMEOUT COMMAND...: one check, its log under $OUT; a failure is 
 run sync 150 python3 benchmarks/gpu_weight_sync.py --timeout-s 60 --out "$OUT/gpu_weight_sync.json"
 run trainer 420 python3 benchmarks/gpu_trainer.py --out "$OUT/gpu_trainer.json"
 run tests 180 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu
-run ra2p "${BENCH_TIMEOUT:-420}" python3 benchmarks/ra2p_microbench.py --device cuda --model-size 1.5b --mb-tokens 8192 \
-    --warmup 1 --steps "${BENCH_STEPS:-3}" --out "$OUT/ra2p_microbench_cuda.json"
+# Two of the four regimes by default (each regime runs five executors, ~40 s each at 1.5B);
+# RA2P_REGIMES=high_ras_short_tprm,high_ras_long_tprm,low_ras_short_tprm,low_ras_long_tprm for all.
+run ra2p "${BENCH_TIMEOUT:-560}" python3 benchmarks/ra2p_microbench.py --device cuda --model-size 1.5b --mb-tokens 8192 \
+    --warmup 1 --steps "${BENCH_STEPS:-2}" --regimes "${RA2P_REGIMES:-high_ras_short_tprm,low_ras_long_tprm}" \
+    --out "$OUT/ra2p_microbench_cuda.json"
 exit $rc
