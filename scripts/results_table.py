@@ -157,9 +157,16 @@ def learning_vl_tiny(r: dict) -> str:
 
 def soak(r: dict) -> str:
     x = r["result"]
-    return (f"finished: {_yes(x['finished'])}; faults survived {x['faults_survived']}/{x['faults_injected']}; "
-            f"lost tokens {x['lost_tokens']}; staleness violations {x['staleness_violations']}; "
-            f"wasted share {_num(x['wasted_share'], 3)}; {x['steps']} steps")
+    if "faults_recovered" not in x:  # the soak before chaos faults (random engine/env kills only)
+        return (f"finished: {_yes(x['finished'])}; faults survived {x['faults_survived']}/{x['faults_injected']}; "
+                f"lost tokens {x['lost_tokens']}; staleness violations {x['staleness_violations']}; "
+                f"wasted share {_num(x['wasted_share'], 3)}; {x['steps']} steps")
+    recount = x.get("recount") or {}
+    return (f"{'PASS' if x['passed'] else 'FAIL'}: faults recovered {x['faults_recovered']}/{x['faults_injected']} "
+            f"of {len(x['faults_by_kind'])} kinds, {x['restarts']} restarts; hang: {_yes(bool(x['hang']))}; "
+            f"recount = ledger: {_yes(recount.get('equal', False))}; lost tokens {x['lost_tokens']}; "
+            f"staleness violations {x['staleness_violations']}; wasted share {_num(x['wasted_share'], 3)}; "
+            f"{x['steps']} steps")
 
 
 def env_server_hostile(r: dict) -> str:
