@@ -43,6 +43,7 @@ class ModeSelector:
     last: Optional[ModeChoice] = None
     correction: LatencyCorrection = field(default_factory=LatencyCorrection)
     """The latency model's measured error per mode (`observe`); choices and ERS's layout use it."""
+    _last_on_measured: bool = False  # the last choice's passes were all measured, not priors
 
     def cost_inputs(self) -> tuple[MicroBatchTimes, RA2PConfig]:
         """(times of one cost-model micro-batch, cost-model config) with measured values where
@@ -55,6 +56,7 @@ class ModeSelector:
         """The mode with the lower GPU-second cost for this readiness (ties: colocated), on
         `dp_size` actor ranks and `ref_ranks` dedicated Ref ranks (0: colocated only)."""
         times, ra2p_cfg = self.cost_inputs()
+        self._last_on_measured = self.meter.has("ref_fwd", "actor_fwd", "actor_bwd")
         self.last = choose_mode_for_tokens(dp_size, ras_tokens=ras_tokens, arrival_tokens_per_s=arrival_tokens_per_s,
                                            step_tokens=step_tokens, times=times, cfg=ra2p_cfg, ref_ranks=ref_ranks,
                                            correction=self.correction)
@@ -62,8 +64,9 @@ class ModeSelector:
 
     def observe(self, mode: RA2PMode, measured_s: float) -> None:
         """The step of the last choice ran in `mode` and took `measured_s` (the executor's wall
-        time, arrival waits included, as the latency model counts it)."""
-        if self.last is not None:
+        time, arrival waits included, as the latency model counts it). A choice made on the
+        configured priors says nothing of the model's error (off by ~100x on the first step)."""
+        if self.last is not None and self._last_on_measured:
             predicted = self.last.latency_decoupled if mode is RA2PMode.DECOUPLED else self.last.latency_colocated
             self.correction.observe(mode, predicted, measured_s)
 
