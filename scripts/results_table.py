@@ -157,10 +157,6 @@ def learning_vl_tiny(r: dict) -> str:
 
 def soak(r: dict) -> str:
     x = r["result"]
-    if "faults_recovered" not in x:  # the soak before chaos faults (random engine/env kills only)
-        return (f"finished: {_yes(x['finished'])}; faults survived {x['faults_survived']}/{x['faults_injected']}; "
-                f"lost tokens {x['lost_tokens']}; staleness violations {x['staleness_violations']}; "
-                f"wasted share {_num(x['wasted_share'], 3)}; {x['steps']} steps")
     recount = x.get("recount") or {}
     return (f"{'PASS' if x['passed'] else 'FAIL'}: faults recovered {x['faults_recovered']}/{x['faults_injected']} "
             f"of {len(x['faults_by_kind'])} kinds, {x['restarts']} restarts; hang: {_yes(bool(x['hang']))}; "
