@@ -22,6 +22,7 @@ RESUME_MODES = ("auto", "true", "false")
 METRIC_LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 WANDB_MODES = ("", "online", "offline", "disabled")
 RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
+WEIGHT_SYNC_PATHS = ("host", "broadcast")
 
 
 @dataclass
@@ -194,8 +195,17 @@ class SchedulerConfig:
     """A rollout rank that has not loaded the weights it was sent this long after the send is
     quarantined (a transfer and an engine load, on a rank that still sends heartbeats)."""
     weight_bucket_mb: int = 512
-    """Weights go to the engines in shared-memory buckets of at most this many MiB, one SGLang
-    update each (`comm/weight_sync.py`)."""
+    """Weights go to the engines in buckets of at most this many MiB, one SGLang update each
+    (shared-memory buckets on the host path, broadcast buckets on the broadcast path)."""
+    weight_sync_path: str = "host"
+    """How the weights reach the engines (`controller/weight_push.py`). "host": gathered on
+    rank 0, copied once into shared memory that its node's engines map (a relay per other
+    node). "broadcast": streamed from the trainer's device through a process group with every
+    steady engine (SGLang's `update_weights_from_distributed`; NCCL on GPU, gloo on CPU), no
+    host copy; ranks joining rollout that sync take the host path once."""
+    weight_broadcast_timeout_s: float = 60.0
+    """Broadcast path: rank 0 and each engine give up on the update group (forming it, or one
+    broadcast) after this long; a stuck engine is replaced, the group re-formed at the next sync."""
     min_rollout_ranks: int = 1
     """The run stops, naming the silent rank, when fewer rollout ranks than this are in service."""
     ready_timeout_s: float = 600.0
@@ -440,6 +450,12 @@ def validate(cfg: JobConfig, world_size: int) -> None:
                          f"scheduler.groups_per_step={cfg.scheduler.groups_per_step}")
     if cfg.scheduler.min_groups_per_step and cfg.scheduler.mode != "tide":
         raise ValueError(f"scheduler.min_groups_per_step needs scheduler.mode=tide, got {cfg.scheduler.mode}")
+    if cfg.scheduler.weight_sync_path not in WEIGHT_SYNC_PATHS:
+        raise ValueError(f"scheduler.weight_sync_path={cfg.scheduler.weight_sync_path!r}: expected one of "
+                         f"{WEIGHT_SYNC_PATHS}")
+    if cfg.scheduler.weight_broadcast_timeout_s <= 0:
+        raise ValueError(f"scheduler.weight_broadcast_timeout_s={cfg.scheduler.weight_broadcast_timeout_s}: "
+                         "expected a positive number of seconds")
     if not 1 <= cfg.scheduler.min_rollout_ranks <= cfg.cluster.rollout_ranks:
         raise ValueError(f"scheduler.min_rollout_ranks={cfg.scheduler.min_rollout_ranks}: expected 1 to "
                          f"cluster.rollout_ranks={cfg.cluster.rollout_ranks} (below it the run stops)")

@@ -161,6 +161,31 @@ class LoadWeights(Message):
     shared: list[str] = field(default_factory=list)
     """One serialized handle per bucket (`weight_sync.bucket_handles`, for this rank alone); empty: point to point."""
     relay_to: list[int] = field(default_factory=list)
+    group: str = ""
+    """Broadcast path (`comm/update_group.py`): the update group whose bucketed broadcast
+    carries the weights; the engine receives each bucket of `bucket_broadcast.bucket_specs`
+    through SGLang's `update_weights_from_distributed`. Empty: the host path above."""
+
+
+@dataclass
+class JoinUpdateGroup(Message):
+    """Have the engine join the weight update group `group_name` (SGLang's
+    `init_weights_update_group`), leaving `leave` first (its previous group; empty: none).
+    Rank 0 posts it to every member when the group is (re)formed, before the `LoadWeights`
+    that uses it; its own end blocks until every member has joined. No answer: a member that
+    cannot join does not confirm the weights, and is quarantined as for any unconfirmed sync."""
+
+    KIND: ClassVar[str] = "join_update_group"
+    address: str
+    port: int
+    rank_offset: int
+    """The group rank of the engine's first TP worker (rank 0 is the sender)."""
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+    """The member gives up (and replaces its engine, stuck in the collective) after this long."""
+    leave: str = ""
 
 
 @dataclass
@@ -211,6 +236,8 @@ class EngineFacts:
     """The engine keeps each task's context between turns (CTB's sessions)."""
     restarts: int = 0
     """Times the rank restarted its engine after it died."""
+    weight_version: int = 0
+    """The weights the engine holds (a restarted engine reloads the rank's host copy, if any)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

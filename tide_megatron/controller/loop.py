@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import STOP_GRACE_S, EngineStandby, SaveCheckpoint, Stop, Stopped
-from tide_megatron.comm.weight_sync import WeightSender, WeightSet
+from tide_megatron.comm.weight_sync import WeightSender
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
 from tide_megatron.controller import run_state
@@ -46,6 +46,7 @@ from tide_megatron.controller.rollout_service import RolloutService, RunError
 from tide_megatron.controller.step_log import StepLog
 from tide_megatron.controller.trainer_roles import TrainerRoles, standby_engine_ranks
 from tide_megatron.controller.training import TrainerDriver
+from tide_megatron.controller.weight_push import WeightPush
 from tide_megatron.core.buffer import BufferConfig, GlobalBuffer
 from tide_megatron.core.ers import ERSMeasurements
 from tide_megatron.core.signals import SignalsConfig
@@ -111,6 +112,9 @@ class Controller:
                 topo.job_group, mailbox, node_of=lambda rank: topo.plan.slot(rank).node if topo.plan else 0),
             weight_sync_timeout_s=sched.weight_sync_timeout_s, min_rollout_ranks=sched.min_rollout_ranks,
             hand_over_tasks=cfg.ers.hand_over_tasks)
+        self.weights = WeightPush(path=sched.weight_sync_path, rollout=self.rollout, mailbox=mailbox,
+                                  bucket_bytes=sched.weight_bucket_mb << 20, engine_tp=cfg.rollout.engine.tp_size,
+                                  broadcast_timeout_s=sched.weight_broadcast_timeout_s)
         self.trainer = TrainerDriver(cfg, topo, mailbox, trainer, self.mode, self.rollout.trainer_inbox,
                                      health=self.rollout.check)
         self.trainer_rank = trainer
@@ -161,6 +165,7 @@ class Controller:
         finally:
             self.rollout.stop()
             self.rollout.join(timeout=10)
+            self.weights.close()
             self.log.close()  # also when the run fails: a crashed run still leaves its timeline
         self.shutdown()
         self._await_stopped()
@@ -235,7 +240,8 @@ class Controller:
         checkpoint_s = self._maybe_checkpoint()
         self.log.step(self.step, self.version, outcome, ras=ras, hol=hol, readiness=readiness,
                       twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
-                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0, extra={**loan_end, **ers})
+                      checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0,
+                      extra={**loan_end, **ers, **self.weights.metrics()})
         if ers and self.mode.time_shared:  # lent until the next batch is complete: shown from here
             self.log.roles_moved()          # (after this step's record, which books its own roles)
 
@@ -286,9 +292,7 @@ class Controller:
     def _push_weights(self, wait: bool) -> None:
         """Weights to the rollout ranks the rollout service names (in service, or rejoining)."""
         version = self.version
-        bucket_bytes = self.cfg.scheduler.weight_bucket_mb << 20
-        self.trainer_rank.push_weights(version, lambda named: self.rollout.call(
-            lambda: self.rollout.send_weights(WeightSet(named, version, bucket_bytes))), mailbox=self.mailbox)
+        self.trainer_rank.push_weights(version, lambda named: self.weights.send(named, version), mailbox=self.mailbox)
         if wait:  # sync: the next rollout phase must run on these weights (a rank that cannot load
             # them in time is quarantined, which settles the wait too)
             self.rollout.wait(self.rollout.submit(lambda: None, when=lambda: self.rollout.weights_settled(version)),

@@ -74,6 +74,14 @@ class OutOfService:
     trainer; it does not rejoin until moved back) or "returning" (ERS moved it to rollout)."""
 
 
+@dataclass
+class _BroadcastSend:
+    """A member's part of a broadcast sync (`weight_sync.Send`'s fields that are read here)."""
+
+    rank: int
+    version: int
+
+
 class Quarantine:
     def __init__(self, ranks: Iterable[int] = (), *, placement=None, health=None, ledger=None, mailbox=None,
                  weight_sender=None, weight_sync_timeout_s: float = 300.0):
@@ -89,6 +97,7 @@ class Quarantine:
         self._sends: dict[tuple[int, int], Any] = {}  # (rank, version) -> its unconfirmed Send
         self._deadlines: dict[tuple[int, int], float] = {}  # sends still bounded (rank not out)
         self._awaiting: dict[int, set[int]] = {}  # version -> receivers a sync mode step waits for
+        self.confirmed: dict[int, int] = {}  # rank -> the latest version it confirmed
 
     # -- the steps (side effects on the placement, health, ledger and mailbox) ----------------
     def take_out(self, rank: int, reason: str, now: float, kind: str = "quarantine",
@@ -176,11 +185,35 @@ class Quarantine:
                                      key=key or ledger_keys.task_end(msg))
         return True
 
-    def send_weights(self, weights, now: float) -> list[int]:
-        """Step 3 (and every sync): send to the ranks in service and those ready to rejoin."""
-        receivers = self.receivers(self.ranks, lambda r: self.health.back(r, now))
+    def send_weights(self, weights, now: float, receivers: Optional[list[int]] = None) -> list[int]:
+        """Step 3 (and every sync): send to the ranks in service and those ready to rejoin (or
+        to `receivers`, a part of them: the rest take the broadcast path, `broadcast_sent`)."""
+        if receivers is None:
+            receivers = self.weight_receivers(now)
         self.sent(self.weight_sender.send(weights, receivers), now + self.weight_sync_timeout_s)
         return receivers
+
+    def weight_receivers(self, now: float) -> list[int]:
+        """Who gets the next weights (`receivers`, with rank 0's view of who was heard from)."""
+        return self.receivers(self.ranks, lambda r: self.health.back(r, now))
+
+    def steady(self, receivers: Iterable[int]) -> list[int]:
+        """Of `receivers`, the ranks in service with no send awaiting confirmation: their
+        engines run, and hold every version sent to them (the broadcast path's members)."""
+        pending = {rank for rank, _ in self._deadlines}
+        return [r for r in receivers if r not in self.out and r not in pending]
+
+    def broadcast_sent(self, loads: dict[int, Any], version: int, now: float) -> None:
+        """The broadcast path's sync of `version`: post each member its `LoadWeights` and wait
+        for its confirmation as for any send (nothing to keep: no buffer is shared)."""
+        for rank, msg in loads.items():
+            self.mailbox.post(rank, msg)
+        self.sent([_BroadcastSend(rank, version) for rank in loads], now + self.weight_sync_timeout_s)
+
+    def lost_weights(self, rank: int, engine_version: int) -> bool:
+        """A rank in service reports an engine holding an older version than it confirmed
+        (its engine restarted, with no host copy to reload: the broadcast path)."""
+        return rank not in self.out and engine_version < self.confirmed.get(rank, engine_version)
 
     def overdue(self, now: float) -> list[tuple[int, str]]:
         """Ranks in service whose weights were not confirmed in time, with the reason to take
@@ -242,6 +275,7 @@ class Quarantine:
         """The rank confirmed `version`: its send is done. True when this brings a quarantined
         rank back into service (the caller adds it to the placement)."""
         key = (rank, version)
+        self.confirmed[rank] = max(version, self.confirmed.get(rank, version))
         self._sends.pop(key, None)  # the transfer is over: gloo no longer reads the buffer
         self._deadlines.pop(key, None)
         self._settle(version, rank)

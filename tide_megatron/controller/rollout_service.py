@@ -223,6 +223,10 @@ class RolloutService(threading.Thread):
                 self.placement.engine_ready(msg.src, msg.engine.kv_tokens, msg.engine.request_rows)
                 self.health.add_rank(msg.src, now)
                 self.health.progressed(now)
+                if self.quarantine.lost_weights(msg.src, msg.engine.weight_version):
+                    self.handover.quarantine_rank(
+                        msg.src, f"its engine restarted with the weights of version {msg.engine.weight_version}, "
+                        f"not those it had confirmed; it rejoins at the next weight sync", now)
             else:  # the trainer's and reference rank's replies: the main thread's
                 self.trainer_inbox.put(msg)
         return now
@@ -269,11 +273,21 @@ class RolloutService(threading.Thread):
         self.step.consumed_groups = 0
         self.groups.set_version(version)
 
-    def send_weights(self, weights) -> list[int]:
+    def send_weights(self, weights, receivers: Optional[list[int]] = None) -> list[int]:
         """Send weights (a `weight_sync.WeightSet`) to the ranks in service and those ready to
-        rejoin; returns them. Nothing waits here: each must confirm within
-        `weight_sync_timeout_s` or is quarantined."""
-        return self.quarantine.send_weights(weights, time.monotonic())
+        rejoin (or to `receivers`, some of them); returns them. Nothing waits here: each must
+        confirm within `weight_sync_timeout_s` or is quarantined."""
+        return self.quarantine.send_weights(weights, time.monotonic(), receivers)
+
+    def weight_receivers(self) -> tuple[list[int], list[int]]:
+        """(every receiver of the next sync, those of them that may take the broadcast path:
+        `Quarantine.steady`)."""
+        receivers = self.quarantine.weight_receivers(time.monotonic())
+        return receivers, self.quarantine.steady(receivers)
+
+    def sent_broadcast(self, loads: dict, version: int) -> None:
+        """The broadcast path's `LoadWeights` (rank -> message) go out, each to be confirmed."""
+        self.quarantine.broadcast_sent(loads, version, time.monotonic())
 
     def weights_settled(self, version: int) -> bool:
         """Every receiver of `version` loaded it or was quarantined (sync mode waits for this)."""

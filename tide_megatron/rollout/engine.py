@@ -340,40 +340,78 @@ class RolloutEngine:
         """`update_weights` from serialized buckets of named tensors (`weight_sync.bucket_handles`:
         shared-memory handles, which the scheduler maps without a copy here), one SGLang update
         per bucket inside one weight-update boundary."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        await self._swap_weights(lambda: self._load(self._tm.update_weights_from_tensor, [
+            UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[bucket] * self.cfg.tp_size,
+                load_format=None,
+                flush_cache=False,  # flushed in `_load`, once the sessions' requests have drained
+                weight_version=str(version),
+            ) for bucket in buckets], version), version)
+
+    async def load_broadcast(self, buckets: list[tuple[list[str], list[list[int]]]], dtype: str, group: str,
+                             version: int) -> None:
+        """`load_serialized` for the broadcast path (`comm/update_group.py`): each bucket's
+        tensors (names, shapes, all of `dtype`) arrive from rank 0's broadcast over `group`."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        await self._swap_weights(lambda: self._load(self._tm.update_weights_from_distributed, [
+            UpdateWeightsFromDistributedReqInput(
+                names=names, dtypes=[dtype] * len(names), shapes=shapes, group_name=group, flush_cache=False,
+                load_format="flattened_bucket", weight_version=str(version),
+            ) for names, shapes in buckets], version), version)
+
+    async def join_update_group(self, address: str, port: int, rank_offset: int, world_size: int, group: str,
+                                backend: str, leave: str = "") -> None:
+        """Join the weight update group `group` (SGLang's `init_weights_update_group`; returns
+        once every member and rank 0 joined), leaving `leave` first."""
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput, InitWeightsUpdateGroupReqInput
+
+        if leave:  # refused when it went with an earlier engine: nothing to leave then
+            await self._unless_dead(self._tm.destroy_weights_update_group(
+                DestroyWeightsUpdateGroupReqInput(group_name=leave), None))
+        ok, message = await self._unless_dead(self._tm.init_weights_update_group(InitWeightsUpdateGroupReqInput(
+            master_address=address, master_port=port, rank_offset=rank_offset, world_size=world_size,
+            group_name=group, backend=backend), None))
+        if not ok:
+            raise RuntimeError(f"the engine could not join weight update group {group}: {message}")
+
+    def abandon(self, why: str) -> None:
+        """Give this engine up (`died`): its scheduler is stuck (in a collective whose peer
+        hung) and would never answer again. Its subprocesses are killed; the rank replaces it."""
+        logger.error("abandoning the rollout engine: %s", why)
+        pids = getattr(getattr(self._engine, "_scheduler_init_result", None), "all_child_pids", None) or []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._child_died(None, None)
+
+    async def _swap_weights(self, load, version: int) -> None:
+        """Await `load()` with no turn in flight and no session open (see the module docstring)."""
         self._turns_open.clear()
         try:
             await self._no_turns.wait()
             for session_id in list(self._sessions):
                 await self.close_session(session_id)
-            await self._unless_dead(self._load(buckets, version))
+            await self._unless_dead(load())
             self.weight_version = version
             self.weight_epoch += 1
         finally:
             self._turns_open.set()
 
-    async def _load(self, buckets: list, version: int) -> None:
-        from sglang.srt.managers.io_struct import (
-            BeginWeightUpdateReqInput,
-            EndWeightUpdateReqInput,
-            UpdateWeightsFromTensorReqInput,
-        )
+    async def _load(self, update, requests: list, version: int) -> None:
+        """`update(request)` for each bucket inside one weight-update boundary, then a flush."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
-        await self._tm.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None)
+        await self._unless_dead(self._tm.begin_weight_update(BeginWeightUpdateReqInput(selector="all"), None))
         try:
-            for bucket in buckets:
-                ok, message = await self._tm.update_weights_from_tensor(
-                    UpdateWeightsFromTensorReqInput(
-                        serialized_named_tensors=[bucket] * self.cfg.tp_size,
-                        load_format=None,
-                        flush_cache=False,  # flushed below, once the sessions' requests have drained
-                        weight_version=str(version),
-                    ),
-                    None,
-                )
+            for request in requests:
+                ok, message = await self._unless_dead(update(request, None))
                 if not ok:
                     raise RuntimeError(f"SGLang rejected the weight update to version {version}: {message}")
         finally:
-            await self._tm.end_weight_update(EndWeightUpdateReqInput(), None)
+            await self._unless_dead(self._tm.end_weight_update(EndWeightUpdateReqInput(), None))
         # Closing a session frees its request on the scheduler's next pass; the deferred flush
         # waits for that idle moment (no new turn can start meanwhile: the turn gate is closed).
         flushed = await self._tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)

@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional
 
 from sglang_patches.task_tag import TaskTag
 from tide_megatron.rollout.ctb_carrier import TagFields
-from tide_megatron.comm import weight_sync
+from tide_megatron.comm import bucket_broadcast, weight_sync
 from tide_megatron.comm.mailbox import CONTROLLER, Mailbox
 from tide_megatron.comm.messages import (
     STOP_GRACE_S,
@@ -64,6 +64,7 @@ from tide_megatron.comm.messages import (
     CancelTask,
     EngineFacts,
     Heartbeat,
+    JoinUpdateGroup,
     LoadWeights,
     PauseTask,
     RankReady,
@@ -184,6 +185,7 @@ class RolloutWorker:
         self.engine_restarts = 0
         self._weights_owed = False
         """The engine died while loading the last weights: report them once a new engine has them."""
+        self._group_timeout_s = 60.0  # set by each `JoinUpdateGroup`
         self.job_group = job_group
         self.engine = engine
         self.mailbox = mailbox
@@ -241,7 +243,8 @@ class RolloutWorker:
         logger.info("rollout rank %d: pid %d, engine ready (restarts: %d)", self.rank, os.getpid(), self.engine_restarts)
         facts = EngineFacts(kv_tokens=self.engine.kv_tokens, request_rows=self.engine.request_rows,
                             max_total_tokens=cfg.max_total_tokens, max_running_requests=cfg.max_running_requests,
-                            use_sessions=cfg.use_sessions, restarts=self.engine_restarts)
+                            use_sessions=cfg.use_sessions, restarts=self.engine_restarts,
+                            weight_version=self.engine.weight_version)
         self.mailbox.post(CONTROLLER, RankReady(facts, pid=os.getpid()))
         next_beat = 0.0
         while not self._stopping and not self.engine.died and self._handoff is None:
@@ -359,7 +362,9 @@ class RolloutWorker:
             self._releases.add(release)
             release.add_done_callback(self._releases.discard)
         elif isinstance(msg, LoadWeights):
-            await self._load_weights(msg)
+            await (self._load_broadcast(msg) if msg.group else self._load_weights(msg))
+        elif isinstance(msg, JoinUpdateGroup):
+            await self._join_update_group(msg)
         elif isinstance(msg, Stop):
             self._stopping = True
         else:
@@ -496,6 +501,53 @@ class RolloutWorker:
             beats.cancel()
         self._fault.at("after_version", manifest.version)
         self._report_loaded(manifest.version, comm_s, time.perf_counter() - t0)
+
+    async def _join_update_group(self, msg: JoinUpdateGroup) -> None:
+        """Join rank 0's weight update group (`comm/update_group.py`). Failing here is not the
+        rank's end: the broadcast that follows cannot reach it, it does not confirm those
+        weights, and rank 0 quarantines it; it rejoins by the host path."""
+        self._group_timeout_s = msg.timeout_s
+        joined = await self._bounded(self.engine.join_update_group(
+            msg.address, msg.port, msg.rank_offset, msg.world_size, msg.group_name, msg.backend, msg.leave),
+            msg.timeout_s, f"joining weight update group {msg.group_name}")
+        if joined:
+            logger.info("rollout rank %d joined weight update group %s", self.rank, msg.group_name)
+
+    async def _load_broadcast(self, msg: LoadWeights) -> None:
+        """Take weights `msg.manifest` from rank 0's broadcast over update group `msg.group`,
+        bucket by bucket, straight into the engine (no host copy is kept: a replacement engine
+        cannot reload them, and rank 0 quarantines a rank whose engine restarts without them)."""
+        manifest = weight_sync.WeightManifest.from_json(msg.manifest)
+        self._fault.at("at_step_boundary", manifest.version)
+        self._last_weights = None  # the engine's weights change now: an older copy is stale
+        beats = asyncio.get_running_loop().create_task(self._beat_forever())
+        t0 = time.perf_counter()
+        try:
+            self._fault.at("during_weight_sync", manifest.version)
+            loaded = await self._bounded(self.engine.load_broadcast(
+                bucket_broadcast.bucket_specs(manifest), manifest.dtype, msg.group, manifest.version),
+                self._group_timeout_s, f"the broadcast of weights {manifest.version}")
+        finally:
+            beats.cancel()
+        if loaded:
+            self._fault.at("after_version", manifest.version)
+            self._report_loaded(manifest.version, 0.0, time.perf_counter() - t0)
+
+    async def _bounded(self, work, timeout_s: float, what: str) -> bool:
+        """Await an engine call inside the weight update group: True once done; False when it
+        failed (logged) or did not end within `timeout_s`: its scheduler is stuck in the
+        collective then (a peer hung), and the engine is given up for a new one."""
+        job = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({job}, timeout=timeout_s)
+        if not done:
+            self.engine.abandon(f"{what} did not end within {timeout_s:.0f} s "
+                                f"(scheduler.weight_broadcast_timeout_s)")
+        try:
+            await job
+            return True
+        except Exception as exc:  # refused, or the engine died (then the rank replaces it)
+            logger.warning("rollout rank %d: %s failed: %s", self.rank, what, exc)
+            return False
 
     async def _beat_forever(self) -> None:
         while True:

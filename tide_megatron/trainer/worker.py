@@ -282,17 +282,21 @@ class TrainerWorker:
     def push_weights(self, version: int, send=None, mailbox: Mailbox | None = None) -> float:
         """Gather HF weights on actor DP rank 0 (collective over its TP group); rank 0 hands them
         to `send(named)`, the controller's push to the rollout ranks it names
-        (`comm/weight_sync.py`). Rank 0 passes `mailbox` to have its TP peers join the
-        gather (`PushWeights`). Returns the seconds `send` took."""
+        (`controller/weight_push.py`), as a lazy gather it must iterate to the end (the
+        broadcast path streams it, overlapping each gather with the previous bucket's send).
+        Rank 0 passes `mailbox` to have its TP peers join the gather (`PushWeights`). Returns
+        the seconds `send` took."""
         if self.role not in (Role.ACTOR, Role.ACTOR_REF) or self.assignment.dp_rank(self.rank) != 0:
             return 0.0
         if mailbox is not None:
             for peer in self.assignment.dp_members(0):
                 if peer != self.rank:
                     mailbox.post(peer, PushWeights(version))
-        named = list(self.actor.hf_weights())
+        named = self.actor.hf_weights()
         if self.rank != 0:
-            return 0.0  # rank 0 alone sends
+            for _ in named:  # rank 0 alone sends; its TP peers take part in each gather
+                pass
+            return 0.0
         started = time.perf_counter()
         send(named)
         return time.perf_counter() - started

@@ -124,15 +124,27 @@ SLOW_ENV = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.laten
             "envs.server.envs.0.latency.step_sigma=0.3", "envs.server.envs.0.latency.reset_median_s=0.1"]
 
 
-def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
+@pytest.mark.parametrize("weight_sync_path", ["host", "broadcast"])
+def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path, weight_sync_path):
     """ERS's split drill on 3 ranks with a slow env (tasks are resident when a move comes):
     rank 1 leaves rollout and joins the actors (DP=2), serves as the reference (decoupled),
     returns to rollout, and joins the actors again. Its tasks are handed over to rank 2 and go on
     there (episode, env session and all); nothing is lost, every step trains within the
     staleness bound. After the rollout scale-down the buffer retains a reservoir
-    (`scheduler.min_groups_per_step=2`): a step trains fewer groups, and nothing is wasted."""
+    (`scheduler.min_groups_per_step=2`): a step trains fewer groups, and nothing is wasted.
+
+    With the broadcast path the weight update group follows the split: rank 2 alone while rank
+    1 trains (it moved at the first boundary, before that sync), the same group kept at the
+    next sync, rank 1 sent the weights of its return by the host path, and then both in a
+    re-formed group."""
     rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=2", "ers.enabled=true",
-                 "ers.drill=split", "ers.drill_every=1", "run.steps=4", "scheduler.min_groups_per_step=2", *SLOW_ENV)
+                 "ers.drill=split", "ers.drill_every=1", "run.steps=4", "scheduler.min_groups_per_step=2",
+                 f"scheduler.weight_sync_path={weight_sync_path}", *SLOW_ENV)
+    if weight_sync_path == "broadcast":
+        assert [(r["weights/host_ranks"], r["weights/broadcast_ranks"]) for r in rows] == [(0, 1), (0, 1), (1, 1),
+                                                                                        (0, 2)]
+        formed = [r["weights/group_rebuild_s"] > 0 for r in rows]
+        assert formed == [True, False, False, True]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert 2 <= r["groups"] <= 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0

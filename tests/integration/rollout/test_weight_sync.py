@@ -1,6 +1,7 @@
 """The weight sync end to end on the real stack (`weight_sync_worker.py`): a Megatron trainer at
-TP 1 and TP 2, three SGLang engines reached by each of the three paths (rank 0's shared buckets,
-a relay's point-to-point receive, the relay's shared buckets), across a change of the split.
+TP 1 and TP 2, three SGLang engines reached by each of the three host paths (rank 0's shared
+buckets, a relay's point-to-point receive, the relay's shared buckets) or by the broadcast path
+(a gloo update group, re-formed when the split changes), across a change of the split.
 After every sync, each receiving engine's weights equal the trainer's export, tensor by tensor
 (a hash each)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import sys
 
@@ -41,11 +43,11 @@ def _as_sglang(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_change(tmp_path, tp):
+@pytest.mark.parametrize("tp,path", [(1, "host"), (2, "host"), (2, "broadcast")])
+def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_change(tmp_path, tp, path):
     from safetensors.torch import load_file
 
-    run_script(WORKER, "--tp", tp, "--out", tmp_path, timeout=1200)
+    run_script(WORKER, "--tp", tp, "--out", tmp_path, "--path", path, timeout=1200)
     kinds = set()
     for version in (1, 2, 3):
         want = {n: _digest(t) for n, t in _as_sglang(torch.load(tmp_path / f"trainer_v{version}.pt")).items()}
@@ -59,4 +61,9 @@ def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_
             for f in glob.glob(str(path / "*.safetensors")):
                 got.update({n: _digest(t) for n, t in load_file(f).items()})
             assert got == want, (rank, version, sorted(n for n in want if got.get(n) != want[n]))
-    assert kinds == {"shared", "relay"}  # rank 0's node maps its buckets; the other node gets one copy
+    if path == "host":
+        assert kinds == {"shared", "relay"}  # rank 0's node maps its buckets; the other node gets one copy
+    else:
+        assert kinds == {"broadcast"}
+        # formed for the first split, re-formed for each change of it (3 receivers, 2, 3)
+        assert json.loads((tmp_path / "groups.json").read_text())["formations"] == 3

@@ -1,6 +1,6 @@
 """One trainer (TP 1 or 2) and three real SGLang engines: every sync's weights, tensor by tensor.
 
-    python weight_sync_worker.py --tp 2 --out DIR
+    python weight_sync_worker.py --tp 2 --out DIR [--path broadcast]
 
 Spawns `tp + 3` ranks (gloo). The trainer ranks hold a Megatron actor; rollout ranks run the real
 `RolloutWorker` load path on a real engine. Rank 0 sends with `WeightSender` as the controller
@@ -10,11 +10,17 @@ syncs, each after the actor's weights changed: to all three rollout ranks, then 
 moved the first into the trainer), then to all three again. After each sync every receiver's
 engine saves its weights (SGLang's `save_sharded_model`), and rank 0 saves what the trainer
 exported; the test compares them tensor by tensor.
+
+`--path broadcast`: rank 0 streams each version through a weight update group with the
+receivers instead (`UpdateGroupSender`, the controller's broadcast path): the group is formed
+for the first sync, re-formed when the split changes (twice), and rank 0 writes the number of
+formations and each one's seconds to `groups.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 import warnings
@@ -37,12 +43,13 @@ def node_of(rank: int, tp: int) -> int:
     return 0 if rank <= tp else 1
 
 
-def scenario(rank: int, world: int, tp: int, ckpt: str, out: str) -> None:
+def scenario(rank: int, world: int, tp: int, ckpt: str, out: str, path: str = "host") -> None:
     import torch.distributed as dist
 
     from tide_megatron.comm.mailbox import Mailbox
-    from tide_megatron.comm.messages import LoadWeights, WeightsLoaded
-    from tide_megatron.comm.weight_sync import WeightSender, WeightSet
+    from tide_megatron.comm.messages import JoinUpdateGroup, LoadWeights, WeightsLoaded
+    from tide_megatron.comm.update_group import UpdateGroupSender
+    from tide_megatron.comm.weight_sync import WeightSender, WeightSet, manifest_of
     from tide_megatron.models.megatron_gpt import init_parallel
 
     registry = init_parallel(tp_size=tp, seed=0)
@@ -67,6 +74,9 @@ def scenario(rank: int, world: int, tp: int, ckpt: str, out: str) -> None:
         worker = RolloutWorker(rank, engine, TaskRunnerConfig(), build_chat(ckpt, None), EnvClient(EnvClientConfig()),
                                mailbox, job_group)
     sender = WeightSender(job_group, mailbox, rank=0, node_of=lambda r: node_of(r, tp)) if rank == 0 else None
+    group = UpdateGroupSender(backend="gloo", device="cpu", engine_tp=1, timeout_s=120) \
+        if rank == 0 and path == "broadcast" else None
+    rebuilds = []
     sends = []
     dist.barrier()
     for version in (1, 2, 3):
@@ -77,7 +87,18 @@ def scenario(rank: int, world: int, tp: int, ckpt: str, out: str) -> None:
             named = [(n, t.clone()) for n, t in actor.hf_weights()]  # collective over TP
             if rank == 0:
                 torch.save(dict(named), os.path.join(out, f"trainer_v{version}.pt"))
-                sends += sender.send(WeightSet(named, version, bucket_bytes=64 << 10), receivers_of(version, tp))
+                if group is None:
+                    sends += sender.send(WeightSet(named, version, bucket_bytes=64 << 10), receivers_of(version, tp))
+                else:
+                    change = group.change_for(receivers_of(version, tp))
+                    if change is not None:
+                        for r, join in change.joins.items():
+                            mailbox.post(r, join)
+                        rebuilds.append(group.connect(change))
+                    manifest = manifest_of(named, version, bucket_bytes=64 << 10)
+                    for r, load in group.loads(manifest).items():
+                        mailbox.post(r, load)
+                    group.broadcast(iter(named), manifest)
                 loaded, deadline = set(), time.monotonic() + 300
                 while loaded != set(receivers_of(version, tp)):
                     assert time.monotonic() < deadline, f"version {version}: only {sorted(loaded)} loaded"
@@ -90,9 +111,14 @@ def scenario(rank: int, world: int, tp: int, ckpt: str, out: str) -> None:
             msg = None
             while msg is None:
                 assert time.monotonic() < deadline, f"rank {rank}: no LoadWeights for version {version}"
-                msg = next((m for m in mailbox.poll() if isinstance(m, LoadWeights)), None)
+                for m in mailbox.poll():  # a JoinUpdateGroup first, when the group is (re)formed
+                    if isinstance(m, JoinUpdateGroup):
+                        worker.engine.loop.run_until_complete(worker._handle(m))
+                    elif isinstance(m, LoadWeights):
+                        msg = m
                 time.sleep(0.01)
-            kind = "shared" if msg.shared else ("relay" if msg.relay_to else "point to point")
+            kind = "broadcast" if msg.group else "shared" if msg.shared else \
+                ("relay" if msg.relay_to else "point to point")
             worker.engine.loop.run_until_complete(worker._handle(msg))
             path = os.path.join(out, f"engine{rank}_v{version}")
             os.makedirs(path)
@@ -101,22 +127,27 @@ def scenario(rank: int, world: int, tp: int, ckpt: str, out: str) -> None:
                 f.write(kind)
         dist.barrier()
     del sends
+    if group is not None:
+        with open(os.path.join(out, "groups.json"), "w") as f:
+            json.dump({"formations": group.rebuilds, "seconds": rebuilds}, f)
+        group.close()
     if worker is not None:
         worker.engine.shutdown()
 
 
-def _worker(rank: int, world: int, tp: int, port: int, ckpt: str, out: str) -> None:
+def _worker(rank: int, world: int, tp: int, port: int, ckpt: str, out: str, path: str) -> None:
     warnings.filterwarnings("ignore")
     from tide_megatron.models.megatron_gpt import spawned_rank
 
     with spawned_rank(rank, world, port):
-        scenario(rank, world, tp, ckpt, out)
+        scenario(rank, world, tp, ckpt, out, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--path", choices=("host", "broadcast"), default="host")
     args = parser.parse_args()
     from tide_megatron.models.config import ModelConfig
     from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
@@ -126,7 +157,7 @@ def main() -> None:
     ckpt = write_random_hf_checkpoint(os.path.join(args.out, "hf"), ModelConfig(**MODEL_KWARGS), seed=0,
                                       tokenizer_dir=tok)
     world = args.tp + ROLLOUT
-    torch.multiprocessing.spawn(_worker, args=(world, args.tp, free_port(), ckpt, args.out), nprocs=world, join=True)
+    torch.multiprocessing.spawn(_worker, args=(world, args.tp, free_port(), ckpt, args.out, args.path), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

@@ -217,3 +217,30 @@ def test_a_rank_that_does_not_answer_stop_is_named_in_bounded_time():
     t0 = time.monotonic()
     assert not_stopped(Mailbox(store, 0), [1, 2], timeout_s=0.5) == [2]  # rank 2 never answers
     assert time.monotonic() - t0 < 3
+
+
+def test_the_broadcast_path_takes_only_steady_ranks_and_books_each_member_like_a_send():
+    """Steady: in service, every send confirmed. A rank rejoining or with a send pending takes
+    the host path that sync; a member that does not confirm its broadcast is overdue as ever."""
+    mailbox = _Mailbox()
+    q = Quarantine([1, 2, 3], mailbox=mailbox)
+    q.drained(3, q.put_out(3, "silent", 0.0))
+    assert q.steady([1, 2, 3]) == [1, 2]  # 3 rejoins by the host path
+    q.sent([_send(2, 1)], deadline=10.0)
+    assert q.steady([1, 2]) == [1]  # 2 has not confirmed version 1 yet
+    q.loaded(2, 1)
+    assert q.steady([1, 2]) == [1, 2]
+    q.broadcast_sent({1: "load-1", 2: "load-2"}, version=2, now=0.0)
+    assert mailbox.posted == [(1, "load-1"), (2, "load-2")] and not q.settled(2)
+    q.loaded(1, 2)
+    assert q.overdue_sends(q.weight_sync_timeout_s + 1.0) == [(2, 2)] and q.settled(2)
+
+
+def test_an_engine_that_restarted_behind_the_version_it_confirmed_has_lost_its_weights():
+    q = Quarantine([1, 2])
+    assert not q.lost_weights(1, 0)  # nothing confirmed yet: the initial weights are current
+    q.sent([_send(1, 3)], deadline=10.0)
+    q.loaded(1, 3)
+    assert q.lost_weights(1, 0) and not q.lost_weights(1, 3)
+    q.put_out(1, "restarted without its weights", 1.0)
+    assert not q.lost_weights(1, 0)  # out already: it rejoins by the next sync
