@@ -1,7 +1,9 @@
 """A rollout rank hangs mid-run (its worker process is SIGSTOPped past the heartbeat timeout,
 then SIGCONTed): rank 0 quarantines it, its tasks run again on the other rollout rank, weights
 go on to that rank only, and once it is heard from again it drops what it held and rejoins at a
-weight sync. The run completes every step with whole groups, no token lost and the staleness
+weight sync. On the broadcast path a sync that reaches the hung rank before its quarantine
+gives up after `scheduler.weight_broadcast_timeout_s`, and the update group is re-formed
+without it, then with it once it rejoined (by the host path). The run completes every step with whole groups, no token lost and the staleness
 bound held. Three ranks: the trainer (+ controller) and two rollout ranks.
 
 The run's length is wall time (`run.max_wall_minutes`), not a step count: steps take from a
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parents[3]
 # second store connection from that rank saw the same delay; once during the final checkpoint),
 # and the healthy rank was taken for silent too.
 HEARTBEAT_TIMEOUT_S = 8.0
+BROADCAST_TIMEOUT_S = 4.0  # the broadcast path: a sync stuck on the hung member gives up after this
 WALL_MINUTES = 0.75  # from the first dispatch: the rank is stopped ~1 s in, for 14 s; rejoins ~2-7 s later
 
 
@@ -53,14 +56,15 @@ def wait_for(what: str, cond, proc: subprocess.Popen, timeout_s: float):
 
 # sync_split: a fixed split (under `sync` every rank also trains, and a rank hung in the trainer's
 # collectives stops the job: quarantine is for ranks that only roll out)
-@pytest.mark.parametrize("mode", ["tide", "sync_split"])
-def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode):
+@pytest.mark.parametrize("mode,weight_sync_path", [("tide", "host"), ("sync_split", "host"), ("tide", "broadcast")])
+def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode, weight_sync_path):
     cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "3",
            str(REPO / "launch" / "train.py"), "+recipe=tiny_cpu", f"scheduler.mode={mode}", "cluster.rollout_ranks=2",
            "metrics.progress=false", "metrics.tensorboard=false", "run.checkpoint_interval=0", "run.steps=1000",
            f"run.max_wall_minutes={WALL_MINUTES}",           "scheduler.groups_per_step=2", "scheduler.group_size=2", "scheduler.heartbeat_interval_s=0.5",
            f"scheduler.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", "scheduler.stall_timeout_s=120",
-           f"run.output_dir={tmp_path}"]
+           f"run.output_dir={tmp_path}", f"scheduler.weight_sync_path={weight_sync_path}",
+           f"scheduler.weight_broadcast_timeout_s={BROADCAST_TIMEOUT_S}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     stopped_pid = None
@@ -95,3 +99,7 @@ def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode):
     rejoined = re.search(r"rollout rank 2 rejoined with the weights of version (\d+)", log0)
     assert rejoined and int(rejoined.group(1)) < len(steps)  # and the run went on with it
     assert "quarantined by rank 0" in log2.read_text()
+    if weight_sync_path == "broadcast":  # the update group follows: without rank 2, then with it again
+        formed = re.findall(r"weight update group \S+ formed with rollout ranks \[([\d, ]*)\]", log0)
+        assert formed[0] == "1, 2" and "1" in formed and formed[-1] == "1, 2", formed
+        assert last["weights/broadcast_ranks"] == 2 and last["weights/host_ranks"] == 0
