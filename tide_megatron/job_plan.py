@@ -19,6 +19,7 @@ from tide_megatron.core.memory_estimate import (
     LinkModel,
     ModelShape,
     TrainerMemoryInputs,
+    broadcast_sync_seconds,
     engine_memory,
     node_sync_seconds,
     relay_sync_seconds,
@@ -149,12 +150,21 @@ def dry_run(cfg: JobConfig, nnodes: int, gpus_per_node: int, gpu_memory_gb: floa
     for engine_placement in plan.engines:
         by_node[engine_placement.node] = by_node.get(engine_placement.node, 0) + 1
     model_bytes = shape.params * wbytes
-    sync = node_sync_seconds(model_bytes, by_node, plan.slot(0).node, tr.tp_size, link)
+    host = node_sync_seconds(model_bytes, by_node, plan.slot(0).node, tr.tp_size, link)
     relays = sum(1 for node in by_node if node != plan.slot(0).node)
-    lines.append(f"weight sync: {model_bytes / GB:.1f} GB to {len(plan.engines)} engine(s) on {len(by_node)} node(s), "
-                 f"one shared copy per node ({relays} relayed over the network): ~{sync:.1f} s per step "
-                 f"(PCIe {link.pcie_gbps:g} GB/s, gloo {link.gloo_gbps:g} GB/s assumed; the earlier rank-0 relay: "
-                 f"~{relay_sync_seconds(model_bytes, len(plan.engines), tr.tp_size, link):.1f} s)")
+    broadcast = broadcast_sync_seconds(model_bytes, relays > 0, tr.tp_size, link)
+    paths = {"host": (f"one shared copy per node ({relays} relayed over the network): ~{host:.1f} s per step "
+                      f"(PCIe {link.pcie_gbps:g} GB/s, gloo {link.gloo_gbps:g} GB/s assumed)"),
+             "broadcast": (f"one bucketed broadcast from the trainer's GPU: ~{broadcast:.2f} s per step "
+                           f"({'NIC' if relays else 'NVLink'} {link.nic_gbps if relays else link.nvlink_gbps:g} "
+                           f"GB/s assumed)")}
+    chosen = resolved.scheduler.weight_sync_path
+    other = next(p for p in paths if p != chosen)
+    other_s = f"~{host:.1f} s" if other == "host" else f"~{broadcast:.2f} s"
+    lines.append(f"weight sync ({chosen} path, scheduler.weight_sync_path): {model_bytes / GB:.1f} GB to "
+                 f"{len(plan.engines)} engine(s) on {len(by_node)} node(s), {paths[chosen]}; the {other} path: "
+                 f"{other_s}; the earlier rank-0 relay: "
+                 f"~{relay_sync_seconds(model_bytes, len(plan.engines), tr.tp_size, link):.1f} s")
     error = None
     if not trainer.fits:
         packing = "" if tr.packing else "set trainer.packing=true, "

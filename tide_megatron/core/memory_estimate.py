@@ -212,6 +212,19 @@ def node_sync_seconds(model_bytes: float, engines_by_node: dict[int, int], sende
     return gather + to_host + relays + load
 
 
+def broadcast_sync_seconds(model_bytes: float, engines_off_sender_node: bool, trainer_tp: int,
+                           link: LinkModel = LinkModel()) -> float:
+    """The broadcast path (`comm/update_group.py`): the trainer's TP shards gathered on rank 0
+    (NVLink), then one NCCL broadcast in buckets from rank 0's GPU to every engine GPU of the
+    split. NCCL pipelines a broadcast in chunks along its ring or tree, so its time is the model
+    over the slowest link on the way (a NIC when some engine is on another node, else NVLink),
+    nearly independent of the number of receivers. Conservative: the gather and the broadcast
+    are summed (the sender overlaps them, one bucket apart); the engines' copy from their
+    receive bucket into their parameters stays on the GPU and is left out."""
+    gather = model_bytes * (trainer_tp - 1) / trainer_tp / (link.nvlink_gbps * GB)
+    return gather + model_bytes / ((link.nic_gbps if engines_off_sender_node else link.nvlink_gbps) * GB)
+
+
 def relay_sync_seconds(model_bytes: float, engines: int, trainer_tp: int, link: LinkModel = LinkModel()) -> float:
     """The earlier path, for comparison (`benchmarks/weight_sync.py`): the trainer's TP shards gathered to rank 0 (NVLink), one copy to host (PCIe),
     then sent over gloo to each engine in turn, each receiver copying to its GPU (PCIe)."""

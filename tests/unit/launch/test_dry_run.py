@@ -14,6 +14,7 @@ from tide_megatron.core.memory_estimate import (
     LinkModel,
     ModelShape,
     TrainerMemoryInputs,
+    broadcast_sync_seconds,
     engine_memory,
     relay_sync_seconds,
     trainer_memory,
@@ -151,3 +152,12 @@ def test_tokens_stay_off_command_lines_and_out_of_config_json(tmp_path):
                               "list": [{"auth_token": "x"}]})
     assert written == {"envs": {"client": {"auth_token": "<redacted>", "port": 1}, "server": {"auth_token": ""}},
                        "list": [{"auth_token": "<redacted>"}]}
+
+
+def test_the_broadcast_estimate_does_not_grow_with_engines_and_crosses_nodes_at_nic_speed():
+    link = LinkModel()
+    same_node, across = (broadcast_sync_seconds(15e9, off, 4, link) for off in (False, True))
+    gather = 15e9 * 3 / 4 / (link.nvlink_gbps * 1e9)
+    assert same_node == pytest.approx(gather + 15e9 / (link.nvlink_gbps * 1e9))
+    assert across == pytest.approx(gather + 15e9 / (link.nic_gbps * 1e9))
+    assert across < relay_sync_seconds(15e9, 1, 4, link)  # below even the relay to one engine
