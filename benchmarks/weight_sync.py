@@ -1,4 +1,4 @@
-"""Weight sync on one host: the earlier rank-0 relay against the shared-memory path, real SGLang.
+"""Weight sync on one host: the earlier rank-0 relay, the shared-memory path and the broadcast path, real SGLang.
 
     python benchmarks/weight_sync.py [--models tiny,0.5b] [--engines 1,2,3] [--reps 3]
 
@@ -10,16 +10,23 @@ same shape. A sync is timed on rank 0 from its start to the moment the last engi
 - `relay` (the path before `comm/weight_sync.py`'s shared buckets): rank 0 packs the model into
   one host buffer and sends it over gloo to each receiver; each receiver loads it with
   `RolloutEngine.update_weights`, which serializes it for SGLang (a copy into shared memory).
-- `shared` (today's path on one node): rank 0 writes the model once into shared-memory buckets
-  (`weight_sync.share_named`), the handles go to the receivers, each maps them and its engine
-  loads from them (`RolloutEngine.load_serialized`), as `RolloutWorker` does.
+- `shared` (the host path on one node, `scheduler.weight_sync_path=host`): rank 0 writes the
+  model once into shared-memory buckets (`weight_sync.share_named`), the handles go to the
+  receivers, each maps them and its engine loads from them (`RolloutEngine.load_serialized`),
+  as `RolloutWorker` does.
+- `broadcast` (`scheduler.weight_sync_path=broadcast`): rank 0 streams the tensors through a
+  gloo weight update group with the receivers' engines (`UpdateGroupSender.broadcast`), each
+  engine receiving every bucket through SGLang's `update_weights_from_distributed`
+  (`RolloutEngine.load_broadcast`). The group is formed once per engine count, before the timed
+  syncs; that formation is timed separately (`group_form_s`), as it recurs only when the split
+  changes.
 
-The two paths alternate, `--reps` times each, at every engine count; the first engines of the
-job receive (the others idle). Both paths of a pair send the same weights (a perturbation of the
-checkpoint's), and every sync is checked: each receiving engine's greedy log-probs on a fixed
-prompt after the shared sync equal those after the relay sync of the same weights, and differ
-from those before. Writes `benchmarks/results/weight_sync.json`, with a model of 7B and 14B
-bf16 on 32 H100 (`core/memory_estimate.py`'s formulas).
+The three paths rotate, `--reps` times each, at every engine count; the first engines of the
+job receive (the others idle). The paths of one rotation send the same weights (a perturbation
+of the checkpoint's), and every sync is checked: each receiving engine's greedy log-probs on a
+fixed prompt after each path's sync equal those after the relay sync of the same weights, and
+differ from those before. Writes `benchmarks/results/weight_sync.json`, with a model of 7B and
+14B bf16 on 32 H100 (`core/memory_estimate.py`'s formulas) for each path.
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ MODELS = {
     "0.5b": (dict(vocab_size=3072, hidden_size=1024, num_layers=40, num_attention_heads=16, num_key_value_heads=2,
                   ffn_hidden_size=2816, max_position_embeddings=1024), "bfloat16"),
 }
+PATHS = ("relay", "shared", "broadcast")
 PROMPT = list(range(10, 42))  # every engine's fingerprint of its weights: greedy log-probs after it
 
 
 def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
     import torch.distributed as dist
 
+    from tide_megatron.comm.update_group import UpdateGroupSender
     from tide_megatron.models.hf_checkpoint import load_hf_state_dict
 
     dist.barrier()
@@ -69,12 +78,16 @@ def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
     dist.barrier()
     runs = []
     version = 0
+    # one sender for the whole run, as rank 0 has: each re-formation names a new group, and an
+    # engine leaves its previous one when it joins the next
+    sender = UpdateGroupSender(backend="gloo", device="cpu", engine_tp=1, timeout_s=600) if rank == 0 else None
     initial = [None] * world
     dist.all_gather_object(initial, _fingerprint(engine) if rank else None)
     before = initial[1]  # every engine starts from the same checkpoint
     for engines in args.engines:
+        group = _form_group(rank, sender, engines, engine, base, args.bucket_mb << 20, out)
         for rep in range(args.reps):
-            order = ("relay", "shared") if rep % 2 == 0 else ("shared", "relay")
+            order = PATHS[rep % len(PATHS):] + PATHS[:rep % len(PATHS)]
             prints = {}
             if rank == 0:  # new weights for this pair, in place (a second copy would cost memory)
                 for _, t in base:
@@ -85,7 +98,7 @@ def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
                 named = base  # the same weights for both paths of the pair
                 dist.barrier()
                 t0 = time.perf_counter()
-                keep = _sync(rank, path, named, version, receivers, engine, args.bucket_mb << 20)
+                keep = _sync(rank, path, named, version, receivers, engine, args.bucket_mb << 20, group)
                 dist.barrier()
                 seconds = time.perf_counter() - t0
                 mine = _fingerprint(engine) if rank in receivers else None
@@ -97,14 +110,18 @@ def _scenario(rank: int, world: int, args, ckpt: str, out: dict) -> None:
                     print(f"{args.model:>5} {path:>6} engines={engines} rep={rep}: {seconds:.3f} s", flush=True)
                 del keep
             if rank == 0:
-                same = all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(prints["relay"], prints["shared"]))
-                changed = all(abs(a - before) > 1e-6 for a in prints["shared"])
-                for run in runs[-2:]:
+                same = all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for path in PATHS
+                           for a, b in zip(prints["relay"], prints[path]))
+                changed = all(abs(a - before) > 1e-6 for path in PATHS for a in prints[path])
+                for run in runs[-len(PATHS):]:
                     run["verified"] = same and changed
                 if not (same and changed):
-                    print(f"  WEIGHTS DIFFER: relay {prints['relay']} shared {prints['shared']}", flush=True)
+                    print(f"  WEIGHTS DIFFER: {prints}", flush=True)
+    if sender is not None:
+        sender.close()
     if rank == 0:
         out.update(runs=runs, model_bytes=sum(t.numel() * t.element_size() for _, t in base))
+        out.setdefault("group_form_s", {})
     dist.barrier()
     if engine is not None:
         engine.shutdown()
@@ -116,13 +133,51 @@ def _fingerprint(engine) -> float:
     return float(sum(gen.logprobs))
 
 
-def _sync(rank, path, named, version, receivers, engine, bucket_bytes):
+def _form_group(rank, sender, engines, engine, named, bucket_bytes, out):
+    """Form the weight update group of rank 0 and the first `engines` engines, as the
+    controller does (`UpdateGroupSender.change_for`, each receiver joins, rank 0 `connect`s);
+    returns (rank 0's sender or None, the group's name, the weights' layout: names, shapes,
+    dtype, the same every version). Rank 0 records the formation's seconds in `out`."""
+    import torch.distributed as dist
+
+    from tide_megatron.comm.weight_sync import manifest_of
+
+    receivers = list(range(1, engines + 1))
+    change = None
+    box = [None]
+    if rank == 0:
+        change = sender.change_for(receivers)
+        layout = manifest_of(named, 0, bucket_bytes)
+        box = [(change.joins, change.name, (layout.names, layout.shapes, layout.dtype))]
+    dist.broadcast_object_list(box, src=0)
+    joins, name, layout = box[0]
+    if rank == 0:
+        t0 = time.perf_counter()
+        sender.connect(change)
+        out.setdefault("group_form_s", {})[engines] = time.perf_counter() - t0
+    elif rank in receivers:
+        join = joins[rank]
+        engine.loop.run_until_complete(engine.join_update_group(
+            join.address, join.port, join.rank_offset, join.world_size, join.group_name, join.backend, join.leave))
+    return sender, name, layout
+
+
+def _sync(rank, path, named, version, receivers, engine, bucket_bytes, update_group=None):
     """One sync on this rank; returns what must outlive it (the sender's buffers)."""
     import torch.distributed as dist
 
-    from tide_megatron.comm import weight_sync
+    from tide_megatron.comm import bucket_broadcast, weight_sync
 
     group = dist.group.WORLD
+    if path == "broadcast":
+        sender, name, layout = update_group
+        manifest = weight_sync.WeightManifest(version, *layout, bucket_bytes)
+        if rank == 0:
+            sender.broadcast(iter(named), manifest)
+        elif rank in receivers:
+            engine.loop.run_until_complete(engine.load_broadcast(
+                bucket_broadcast.bucket_specs(manifest), manifest.dtype, name, version))
+        return None
     if path == "relay":
         if rank == 0:
             manifest, flat = weight_sync.pack(named, version)
@@ -186,11 +241,14 @@ def summarise(name: str, result: dict) -> list[dict]:
     gb = result["model_bytes"] / 1e9
     for engines in sorted({r["engines"] for r in result["runs"]}):
         row = {"model": name, "dtype": MODELS[name][1], "model_gb": round(gb, 3), "engines": engines}
-        for path in ("relay", "shared"):
+        for path in PATHS:
             secs = [r["seconds"] for r in result["runs"] if r["engines"] == engines and r["path"] == path]
             row[f"{path}_s"] = statistics.median(secs)
             row[f"{path}_gb_per_s"] = gb * engines / statistics.median(secs)
         row["speedup"] = row["relay_s"] / row["shared_s"]
+        row["broadcast_speedup"] = row["relay_s"] / row["broadcast_s"]
+        row["broadcast_over_shared"] = row["shared_s"] / row["broadcast_s"]
+        row["group_form_s"] = result["group_form_s"][engines]
         row["verified"] = all(r["verified"] for r in result["runs"] if r["engines"] == engines)
         rows.append(row)
     return rows
@@ -199,7 +257,8 @@ def summarise(name: str, result: dict) -> list[dict]:
 def cluster_model() -> dict:
     """7B and 14B bf16 on 32 H100 (4 nodes x 8), the shipped 32-GPU split (8 engines on the last
     node) and 24 engines (3 nodes), by `core/memory_estimate.py`'s formulas and `LinkModel`."""
-    from tide_megatron.core.memory_estimate import LinkModel, node_sync_seconds, relay_sync_seconds
+    from tide_megatron.core.memory_estimate import (LinkModel, broadcast_sync_seconds, node_sync_seconds,
+                                                    relay_sync_seconds)
 
     link = LinkModel()
     out = {"link": link.__dict__, "goal_s": 2.0, "cases": []}
@@ -207,12 +266,15 @@ def cluster_model() -> dict:
         for engines, by_node in ((8, {3: 8}), (24, {1: 8, 2: 8, 3: 8})):
             b = params * 2
             shared = node_sync_seconds(b, by_node, 0, tp, link)
+            broadcast = broadcast_sync_seconds(b, any(node != 0 for node in by_node), tp, link)
             out["cases"].append({"model": model, "engines": engines, "engine_nodes": len(by_node),
                                  "relay_s": round(relay_sync_seconds(b, engines, tp, link), 2),
-                                 "shared_s": round(shared, 2), "meets_goal": shared <= 2.0})
+                                 "shared_s": round(shared, 2), "broadcast_s": round(broadcast, 2),
+                                 "meets_goal": broadcast <= 2.0})
     out["formula"] = ("shared: gather (TP-1)/TP*B/nvlink + B/pcie (to host shm) + relays*B/gloo (one per other node "
                       "with engines, serially from rank 0) + B/pcie (engines load, a node's in parallel); relay: "
-                      "gather + B/pcie + engines*B/gloo + B/pcie")
+                      "gather + B/pcie + engines*B/gloo + B/pcie; broadcast (meets_goal): gather + B/nic (one NCCL "
+                      "broadcast, pipelined along its ring or tree; NVLink instead of the NIC within a node)")
     return out
 
 
@@ -231,10 +293,12 @@ def main() -> int:
     for name in args.models.split(","):
         raw[name] = run_model(name, args)
         rows += summarise(name, raw[name])
-    print(f"{'model':>6} {'GB':>6} {'engines':>7} {'relay s':>8} {'shared s':>8} {'speedup':>7}")
+    print(f"{'model':>6} {'GB':>6} {'engines':>7} {'relay s':>8} {'shared s':>8} {'bcast s':>8} "
+          f"{'shared x':>8} {'bcast x':>8} {'form s':>7}")
     for r in rows:
         print(f"{r['model']:>6} {r['model_gb']:>6.2f} {r['engines']:>7} {r['relay_s']:>8.3f} {r['shared_s']:>8.3f} "
-              f"{r['speedup']:>7.2f}{'' if r['verified'] else '  WEIGHTS DIFFER'}")
+              f"{r['broadcast_s']:>8.3f} {r['speedup']:>8.2f} {r['broadcast_speedup']:>8.2f} "
+              f"{r['group_form_s']:>7.3f}{'' if r['verified'] else '  WEIGHTS DIFFER'}")
     record.update(summary=rows, runs={k: v["runs"] for k, v in raw.items()}, cluster_model=cluster_model())
     bench_record.write(args.out, record)
     return 0 if all(r["verified"] for r in rows) else 1
