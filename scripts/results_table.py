@@ -99,6 +99,8 @@ def weight_sync(r: dict) -> str:
     out = (f"{model} ({mine[0]['model_gb']:.2f} GB), shared memory over a packed copy per engine: "
            + ", ".join(f"{x['speedup']:.2f}x" for x in mine)
            + f" at {', '.join(str(x['engines']) for x in mine)} engines")
+    if "broadcast_speedup" in mine[0]:
+        out += "; broadcast over a packed copy per engine: " + ", ".join(f"{x['broadcast_speedup']:.2f}x" for x in mine)
     if not all(x.get("verified", True) for x in rows):
         out += "; WEIGHTS DIFFER"
     cases = (r.get("cluster_model") or {}).get("cases")
