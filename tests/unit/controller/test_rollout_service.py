@@ -613,3 +613,28 @@ def test_a_rank_out_of_service_books_no_decode_and_resumes_from_its_last_counter
     assert _window_after(svc, store, (1, _decode_turn(30, 1.5, 1.5)))["decode_iteration_s"] == 0.0
     del svc.quarantine.out[1]  # back in service
     assert _window_after(svc, store, (1, _decode_turn(40, 2.5, 2.5)))["decode_iteration_s"] == pytest.approx(0.1)
+
+
+def test_an_engine_restarted_without_the_weights_it_confirmed_takes_its_rank_out_until_the_next_sync(store):
+    """The broadcast path keeps no host copy on a receiver: a rank whose engine restarted
+    reports the version the new engine holds; behind what it confirmed, it is quarantined (its
+    tasks go elsewhere) and rejoins with the next weights."""
+    ranks = {r: FakeRank(store, r) for r in (1, 2)}
+    for r in ranks.values():
+        r.start()
+    svc = make_service(store, mode="stream", ranks=(1, 2))
+    try:
+        _until("both ranks", lambda: svc.call(lambda: len(svc.engines)) == 2)
+        svc.call(lambda: svc.send_weights(type("M", (), {"version": 1})))
+        _until("the confirmations", lambda: svc.call(lambda: svc.weights_settled(1)))
+        ranks[1].mb.post(0, RankReady(engine=EngineFacts(max_running_requests=8, restarts=1, weight_version=1)))
+        ranks[2].mb.post(0, RankReady(engine=EngineFacts(max_running_requests=8, restarts=1, weight_version=0)))
+        _until("the quarantine", lambda: svc.call(lambda: svc.quarantine.is_out(2)))
+        assert not svc.call(lambda: svc.quarantine.is_out(1))  # its engine reloaded what it had
+        assert "restarted with the weights of version 0" in svc.call(lambda: svc.quarantine.out[2].reason)
+        _until("the drain and a heartbeat", lambda: svc.call(lambda: svc.weight_receivers())[0] == [1, 2])
+        assert svc.call(lambda: svc.weight_receivers())[1] == [1]  # it rejoins by the host path
+    finally:
+        svc.stop()
+        for r in ranks.values():
+            r.stop.set()
