@@ -103,7 +103,7 @@ THREADS = [
         ("task placement: CTB (tide mode)", "controller/ctb_placement.py"),
         ("  or request level (other modes)", "controller/placement.py"),
         ("retries, heartbeats, quarantine", "controller/quarantine.py"),
-        ("sends the weights after each update", "comm/weight_sync.py"),
+        ("sends the weights after each update", "controller/weight_push.py"),
         ("streams late groups into the open step", "trainer/step_feed.py"),
     ]),
     Box(34, 405, 532, "timeline-writer thread", [
@@ -124,7 +124,7 @@ THREADS = [
         ("batches, KV pool, radix cache", ""),
         ("tide_ctb plugin: admission, retraction", "sglang_patches/"),
         ("  order, per-turn KV and decode report", ""),
-        ("maps weight buckets from shared memory", ""),
+        ("loads weights: shared buckets or broadcast", ""),
     ]),
     Box(994, 315, 472, "SGLang detokenizer subprocess", [
         ("engine channels: ZMQ ipc, no TCP port", ""),
@@ -169,7 +169,8 @@ TO_ROLLOUT = MessageList(610, 60, 340, "rank 0 -> rollout rank", [
     ("CancelTask", "its group cannot be trained"),
     ("CancelAll", "quarantine; ERS: hand over"),
     ("ReleaseCarry", "close a handed-over session"),
-    ("LoadWeights", "bucket handles / relay"),
+    ("LoadWeights", "bucket handles / relay / group"),
+    ("JoinUpdateGroup", "broadcast path: form the group"),
     ("SetRoles", "ERS: join the trainer"),
     ("Stop", "finish"),
 ])
@@ -231,8 +232,8 @@ EDGES = [
     # data: weights from rank 0 to the rollout ranks
     Edge([(540, 560), (540, 575), (1100, 575), (1100, 560)], DATA,
          ["weights after each update: shared memory",
-          "on rank 0's node, gloo p2p to one relay",
-          "per other node (comm/weight_sync.py)"], (606, 592)),
+          "+ a relay per node (comm/weight_sync.py),",
+          "or a broadcast group (comm/update_group.py)"], (606, 592)),
     # data: trainer collectives and the reference stream
     Edge([(300, 560), (300, 640)], DATA,
          ["DP all-reduce, TP gather,", "ref log-probs point to point", "(trainer/ra2p/decoupled.py)"],
