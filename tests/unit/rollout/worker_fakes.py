@@ -28,6 +28,7 @@ class FakeEngine:
         self.kv_tokens, self.request_rows = 1000, 8  # what SGLang allocated
         self.loop = asyncio.new_event_loop()
         self.died = False
+        self.weight_version = 0
         self.closed_sessions = []
 
     async def close_session(self, session):
