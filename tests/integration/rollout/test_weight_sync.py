@@ -43,11 +43,11 @@ def _as_sglang(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tp,path", [(1, "host"), (2, "host"), (2, "broadcast")])
-def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_change(tmp_path, tp, path):
+@pytest.mark.parametrize("tp,sync_path", [(1, "host"), (2, "host"), (2, "broadcast")])
+def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_change(tmp_path, tp, sync_path):
     from safetensors.torch import load_file
 
-    run_script(WORKER, "--tp", tp, "--out", tmp_path, "--path", path, timeout=1200)
+    run_script(WORKER, "--tp", tp, "--out", tmp_path, "--path", sync_path, timeout=1200)
     kinds = set()
     for version in (1, 2, 3):
         want = {n: _digest(t) for n, t in _as_sglang(torch.load(tmp_path / f"trainer_v{version}.pt")).items()}
@@ -61,7 +61,7 @@ def test_every_engine_holds_the_trainers_tensors_after_each_sync_across_a_split_
             for f in glob.glob(str(path / "*.safetensors")):
                 got.update({n: _digest(t) for n, t in load_file(f).items()})
             assert got == want, (rank, version, sorted(n for n in want if got.get(n) != want[n]))
-    if path == "host":
+    if sync_path == "host":
         assert kinds == {"shared", "relay"}  # rank 0's node maps its buckets; the other node gets one copy
     else:
         assert kinds == {"broadcast"}
