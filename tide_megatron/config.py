@@ -297,6 +297,12 @@ class ERSJobConfig:
     on another rollout rank from where it was (its env session moves with it, which needs an env
     server with the `detach`/`attach` calls; `rollout/task_carry.py`). False: they start afresh
     elsewhere and their tokens so far are wasted."""
+    failed_move_hold_steps: int = 10
+    """ERS's payoff check (`core/ers.py`): a move is judged by the tokens per second the trainer
+    consumed over the `payoff_windows` steps after it, against the steps before; one that cost
+    goodput is undone and its direction held this many steps. 0: no check."""
+    payoff_windows: int = 3
+    """Steps after a move that its payoff is measured over (the split is held meanwhile)."""
     preemptive_cold_start: bool = True
     """With `move_ranks`, before the first step every trainer rank but rank 0's TP block rolls out
     (nothing is ready to train yet: the paper's preemptive maximal rollout); they come back to

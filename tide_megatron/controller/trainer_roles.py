@@ -114,7 +114,9 @@ class TrainerRoles:
         self.moves_split = self.time_share or bool(ers_cfg.move_ranks and rollout is not None)
         self.ers = ERSController(ERSConfig(enabled=ers_cfg.enabled, max_moves_per_step=1 if self.moves_split else 0,
                                            reclaim="lowest", min_rollout_ranks=min_rollout_ranks,
-                                           min_trainer_ranks=self.tp, rank_block=self.tp),
+                                           min_trainer_ranks=self.tp, rank_block=self.tp,
+                                           failed_move_hold_steps=ers_cfg.failed_move_hold_steps,
+                                           payoff_windows=ers_cfg.payoff_windows),
                                  self.world, ra2p_cfg)
         self._startup = worker.assignment
         self.plan = self._plan_of(worker.assignment)

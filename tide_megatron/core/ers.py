@@ -65,6 +65,15 @@ measures; nothing comes from a hardware model) and:
 5. RA2P mode. The trainer's ranks are laid out by RA2P's cost model (`trainer_layout`): all
    colocated, or decoupled with dedicated Ref ranks, whichever the model finds faster for the
    measured ready backlog and arrival rate (both in tokens).
+6. Payoff check (`failed_move_hold_steps`, `payoff_windows`). Every rule above predicts what a
+   move gains; none measures what it costs (the rank's stall loading the training state, the
+   handed-over tasks' re-prefill, decode batching on the ranks left). So a move is judged by
+   what it did: the trainer-work tokens consumed per second over the `payoff_windows` clean
+   windows after it (the split held meanwhile) against the smoothed rate of the windows before
+   it. One that fell by more than the deadband is undone, and its direction is held for
+   `failed_move_hold_steps` steps: without it the window-full rules alternated on the paper's
+   text workload (rollout over-provisioned, then trajectories slowed, one rank back and forth
+   every two steps) and ERS lost 2-9% against the fixed split in the simulator.
 
 Preemptive maximal rollout (`preemptive_plan`): at cold start (nothing to train yet) all but
 the minimum trainer ranks roll out until the trainer's first micro-batch is ready; during an
@@ -135,6 +144,13 @@ class ERSConfig:
     """Decode runs near its floor while its mean iteration exceeds the batch-of-one iteration
     by at most this share; only then may a throttled rollout give up a rank, which loads the
     others more: at 25% a fifth of decode's time is batching's already."""
+    failed_move_hold_steps: int = 0
+    """The payoff check (module docstring, 6): a move whose next `payoff_windows` clean windows
+    trained fewer tokens per second than the steps before it (by more than `deadband`) is
+    undone, and no move in its direction is made for this many steps. 0: no check."""
+    payoff_windows: int = 3
+    """Clean windows (steps) after a move that its payoff is measured over; the split is held
+    meanwhile. One step's rate swings with whether it was fed from backlog or from arrivals."""
 
     def __post_init__(self) -> None:
         if self.min_rollout_ranks < 0 or self.min_trainer_ranks < 1:
@@ -153,6 +169,8 @@ class ERSConfig:
             raise ValueError(f"reclaim must be 'least_loaded' or 'lowest', got {self.reclaim!r}")
         if self.decode_slowdown < 0:
             raise ValueError("decode_slowdown must be >= 0")
+        if self.failed_move_hold_steps < 0 or self.payoff_windows < 1:
+            raise ValueError("failed_move_hold_steps must be >= 0 and payoff_windows >= 1")
         for name in ("slots_full_fraction", "starved_fraction", "kv_headroom"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
@@ -255,6 +273,11 @@ class ERSController:
         """Smoothed window shares: admission window full, trainer starved; KV use; decode and
         trajectory slowdowns."""
         self.last_move_step: Optional[int] = None
+        self.goodput: Optional[float] = None
+        """Smoothed trainer-work tokens consumed per second of window (clean windows only)."""
+        self._check_move: Optional[list] = None
+        """[rollout ranks before, direction, goodput before, tokens after, seconds after, windows after]."""
+        self._held_until: dict[int, int] = {}  # direction -> the last step it is held
 
     # ------------------------------------------------------------------ plans
     def initial_plan(self, rollout_share: float) -> RolePlan:
@@ -280,16 +303,27 @@ class ERSController:
             return self._keep(current, step, "ERS disabled")
         self._observe(m)
         r_now = len(current.rollout_ranks)
-        if m.rollout_resized:
+        undone = None if m.rollout_resized else self._payoff(r_now, m, step)
+        if undone is not None:
+            n_roll, target, why = undone
+        elif self._check_move is not None:
+            n_roll, target, why = r_now, None, "split held: measuring what the last move gained"
+        elif m.rollout_resized:
             n_roll, target, why = r_now, None, ("split held: the rollout ranks changed as the window opened, so it "
                                                 "measured the trainer's rate only")
         else:
             n_roll, target, why = self._decide(r_now)
         cooling = self.last_move_step is not None and step - self.last_move_step <= self.config.cooldown_steps
-        if n_roll != r_now and cooling:
+        if n_roll != r_now and cooling and undone is None:
             n_roll, why = r_now, f"cooldown after the move at step {self.last_move_step} ({why})"
+        direction = (n_roll > r_now) - (n_roll < r_now)
+        if direction and undone is None and self._held_until.get(direction, -1) >= step:
+            n_roll, why = r_now, (f"held: a move to {'rollout' if direction > 0 else 'the trainer'} did not pay "
+                                  f"before ({why})")
         if n_roll != r_now:
             self.last_move_step = step
+            if undone is None and self.config.failed_move_hold_steps and self.goodput:
+                self._check_move = [r_now, direction, self.goodput, 0, 0.0, 0]
         layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p, correction)
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
@@ -322,11 +356,35 @@ class ERSController:
                    self._blocks_up(math.ceil(self.step_tokens / (self.trainer_rate * expected_eval_s))))
 
     # ------------------------------------------------------------------ control law
+    def _payoff(self, r_now: int, m: ERSMeasurements, step: int) -> Optional[tuple[int, None, str]]:
+        """The payoff check (module docstring, 6) on the first clean window after a move: the
+        move undone, with its reason, when it cost goodput; else None."""
+        if self._check_move is None:
+            return None
+        check = self._check_move
+        check[3] += m.trained_tokens
+        check[4] += m.window_s
+        check[5] += 1
+        if check[5] < self.config.payoff_windows:
+            return None
+        self._check_move = None
+        before_r, direction, before = check[:3]
+        after = check[3] / check[4]
+        if after >= before * (1 - self.config.deadband) or self._clamp_rollout(before_r) != before_r:
+            return None
+        self._held_until[direction] = step + self.config.failed_move_hold_steps
+        return before_r, None, (f"undone: the move to {r_now} rollout ranks did not pay ({after:.0f} tokens/s "
+                                f"trained after it, {before:.0f} before); held for "
+                                f"{self.config.failed_move_hold_steps} steps")
+
     def _observe(self, m: ERSMeasurements) -> None:
         a = self.config.rate_ewma_alpha
 
         def ewma(old: Optional[float], new: float) -> float:
             return new if old is None else old + a * (new - old)
+
+        if not m.rollout_resized and self._check_move is None:  # the goodput a move is judged against
+            self.goodput = ewma(self.goodput, m.trained_tokens / m.window_s)
 
         if m.trainer_busy_s > 0 and m.trainer_ranks > 0 and m.trained_tokens > 0:
             self.trainer_rate = ewma(self.trainer_rate, m.trained_tokens / (m.trainer_busy_s * m.trainer_ranks))

@@ -192,6 +192,11 @@ class SimSchedulerConfig:
     """Actor ranks served by one dedicated REF rank in decoupled mode (ref fwd = 1/3 of actor)."""
     ers_max_moves: int = 1
     """ERS: ranks moved per step at most (the paper bounds trainer scale-up to one per step)."""
+    ers_failed_move_hold_steps: int = 10
+    """ERS's payoff check: a move that cost goodput over the next `ers_payoff_windows` steps is
+    undone and its direction held this many steps (`ERSConfig.failed_move_hold_steps`; 0: no check)."""
+    ers_payoff_windows: int = 3
+    """Steps after a move that its payoff is measured over (`ERSConfig.payoff_windows`)."""
     ers_preemptive: bool = True
     """ERS: preemptive maximal rollout at cold start and during evaluation phases (loans)."""
     ers_retention: bool = False

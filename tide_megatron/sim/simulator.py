@@ -500,7 +500,10 @@ class Simulator:
         min_train = max(1, round((1 - sched.max_rollout_share) * self.n_ranks))
         min_roll = max(1, round(sched.min_rollout_share * self.n_ranks))
         self.ers = ERSController(ERSConfig(min_rollout_ranks=min_roll, min_trainer_ranks=min_train,
-                                           max_moves_per_step=sched.ers_max_moves), self.n_ranks, self.ra2p_cfg)
+                                           max_moves_per_step=sched.ers_max_moves,
+                                           failed_move_hold_steps=sched.ers_failed_move_hold_steps,
+                                           payoff_windows=sched.ers_payoff_windows),
+                                 self.n_ranks, self.ra2p_cfg)
         self.base_plan = self.ers.initial_plan(sched.initial_rollout_share)
         first = self.base_plan
         if sched.ers_preemptive:

@@ -374,3 +374,37 @@ def test_role_changes_never_lose_a_rollout_task(seed, world):
         assert sum(map(len, states.values())) == len(tasks)
         assert states[TaskState.FINISHED] == finished
         assert ctb.audit() == []
+
+
+def _payoff_run(trained_after: int, hold: int = 5):
+    """A move from 4 to 3 rollout ranks (rate balance), then clean windows training
+    `trained_after` tokens each; returns the rollout ranks planned at each step and the plans."""
+    ers = controller(8, failed_move_hold_steps=hold, payoff_windows=2, cooldown_steps=0)
+    cur = plan_of([AR, AR, AR, AR, R, R, R, R])
+    cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000), TIMES, step=0)  # the goodput before: 1000/s
+    plans = []
+    for step in range(1, 5):
+        cur = ers.plan(cur, measure(trainer=len(cur.trainer_ranks), rollout=len(cur.rollout_ranks), fresh=30_000,
+                                    trained=10_000 if step == 1 else trained_after), TIMES, step=step)
+        plans.append(cur)
+    return [len(p.rollout_ranks) for p in plans], plans
+
+
+def test_a_move_that_costs_goodput_is_undone_and_its_direction_held():
+    """The payoff check: the windows after a move train 20% fewer tokens per second than before
+    it: the move is undone, and the rates that asked for it do not ask again while it is held."""
+    splits, plans = _payoff_run(trained_after=8_000)
+    assert splits == [3, 3, 4, 4]  # moved, measured for two windows, undone, held
+    assert plans[2].reason.startswith("undone: the move to 3 rollout ranks did not pay (800 tokens/s")
+    assert plans[3].reason.startswith("held: a move to the trainer did not pay before")
+
+
+def test_a_move_that_pays_is_kept_and_the_control_law_goes_on():
+    splits, plans = _payoff_run(trained_after=12_000)
+    assert plans[1].reason == "split held: measuring what the last move gained"
+    assert splits[:3] == [3, 3, 2] and plans[2].reason.startswith("balance")  # R* = 2: the next move
+
+
+def test_payoff_settings_are_validated():
+    with pytest.raises(ValueError, match="payoff_windows"):
+        ERSConfig(payoff_windows=0)
