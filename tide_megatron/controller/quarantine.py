@@ -274,10 +274,14 @@ class Quarantine:
     def loaded(self, rank: int, version: int) -> bool:
         """The rank confirmed `version`: its send is done. True when this brings a quarantined
         rank back into service (the caller adds it to the placement)."""
-        key = (rank, version)
         self.confirmed[rank] = max(version, self.confirmed.get(rank, version))
-        self._sends.pop(key, None)  # the transfer is over: gloo no longer reads the buffer
-        self._deadlines.pop(key, None)
+        # This version, and any older one still open: the rank reads its `LoadWeights` in order,
+        # so it is done with those transfers too, and a newer version supersedes one it could
+        # not load (a broadcast that failed): it must not be quarantined for that one later.
+        for key in [k for k in set(self._sends) | set(self._deadlines) if k[0] == rank and k[1] <= version]:
+            self._sends.pop(key, None)  # the transfer is over: gloo no longer reads the buffer
+            self._deadlines.pop(key, None)
+            self._settle(key[1], rank)
         self._settle(version, rank)
         q = self.out.get(rank)
         if q is None or q.rejoin_version != version:

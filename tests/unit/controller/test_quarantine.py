@@ -244,3 +244,16 @@ def test_an_engine_that_restarted_behind_the_version_it_confirmed_has_lost_its_w
     assert q.lost_weights(1, 0) and not q.lost_weights(1, 3)
     q.put_out(1, "restarted without its weights", 1.0)
     assert not q.lost_weights(1, 0)  # out already: it rejoins by the next sync
+
+
+def test_a_newer_confirmation_settles_an_older_version_the_rank_could_not_load():
+    """A member whose broadcast of version 4 failed takes version 5 by the host path: once it
+    confirms 5 it is steady again and is never quarantined for 4."""
+    q = Quarantine([1, 2])
+    q.sent([_send(1, 4), _send(2, 4)], deadline=10.0)
+    q.loaded(2, 4)
+    assert q.steady([1, 2]) == [2]  # 1 owes version 4: the next sync sends it by the host path
+    q.sent([_send(1, 5), _send(2, 5)], deadline=20.0)
+    q.loaded(1, 5)
+    assert q.settled(4) and q.overdue(15.0) == [] and q.unconfirmed() == [(2, 5)]  # past 4's deadline
+    assert q.steady([1, 2]) == [1]
