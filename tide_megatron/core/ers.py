@@ -73,7 +73,7 @@ measures; nothing comes from a hardware model) and:
    it. One that fell by more than the deadband is undone, and its direction is held for
    `failed_move_hold_steps` steps: without it the window-full rules alternated on the paper's
    text workload (rollout over-provisioned, then trajectories slowed, one rank back and forth
-   every two steps) and ERS lost 2-9% against the fixed split in the simulator.
+   every two steps) and ERS lost 2-8% against the fixed split in the simulator.
 
 Preemptive maximal rollout (`preemptive_plan`): at cold start (nothing to train yet) all but
 the minimum trainer ranks roll out until the trainer's first micro-batch is ready; during an
@@ -254,6 +254,19 @@ class ERSMeasurements:
             raise ValueError("measurements must be >= 0")
 
 
+@dataclass
+class _MoveCheck:
+    """A move whose payoff is being measured (module docstring, 6)."""
+
+    rollout_before: int
+    direction: int
+    """+1: a block to rollout, -1: to the trainer."""
+    goodput_before: float
+    tokens: int = 0
+    seconds: float = 0.0
+    windows: int = 0
+
+
 class ERSController:
     """Closed-loop planner of rank roles and the RA2P mode; deterministic given its inputs."""
 
@@ -275,8 +288,7 @@ class ERSController:
         self.last_move_step: Optional[int] = None
         self.goodput: Optional[float] = None
         """Smoothed trainer-work tokens consumed per second of window (clean windows only)."""
-        self._check_move: Optional[list] = None
-        """[rollout ranks before, direction, goodput before, tokens after, seconds after, windows after]."""
+        self._check_move: Optional[_MoveCheck] = None  # a move whose payoff is being measured
         self._held_until: dict[int, int] = {}  # direction -> the last step it is held
 
     # ------------------------------------------------------------------ plans
@@ -323,7 +335,7 @@ class ERSController:
         if n_roll != r_now:
             self.last_move_step = step
             if undone is None and self.config.failed_move_hold_steps and self.goodput:
-                self._check_move = [r_now, direction, self.goodput, 0, 0.0, 0]
+                self._check_move = _MoveCheck(r_now, direction, self.goodput)
         layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p, correction)
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
@@ -357,25 +369,26 @@ class ERSController:
 
     # ------------------------------------------------------------------ control law
     def _payoff(self, r_now: int, m: ERSMeasurements, step: int) -> Optional[tuple[int, None, str]]:
-        """The payoff check (module docstring, 6) on the first clean window after a move: the
-        move undone, with its reason, when it cost goodput; else None."""
-        if self._check_move is None:
-            return None
+        """The payoff check (module docstring, 6), fed each clean window after a move: once
+        `payoff_windows` were measured, the move undone (with its reason) if it cost goodput;
+        else None."""
         check = self._check_move
-        check[3] += m.trained_tokens
-        check[4] += m.window_s
-        check[5] += 1
-        if check[5] < self.config.payoff_windows:
+        if check is None:
+            return None
+        check.tokens += m.trained_tokens
+        check.seconds += m.window_s
+        check.windows += 1
+        if check.windows < self.config.payoff_windows:
             return None
         self._check_move = None
-        before_r, direction, before = check[:3]
-        after = check[3] / check[4]
-        if after >= before * (1 - self.config.deadband) or self._clamp_rollout(before_r) != before_r:
+        after = check.tokens / check.seconds
+        if after >= check.goodput_before * (1 - self.config.deadband) or \
+                self._clamp_rollout(check.rollout_before) != check.rollout_before:
             return None
-        self._held_until[direction] = step + self.config.failed_move_hold_steps
-        return before_r, None, (f"undone: the move to {r_now} rollout ranks did not pay ({after:.0f} tokens/s "
-                                f"trained after it, {before:.0f} before); held for "
-                                f"{self.config.failed_move_hold_steps} steps")
+        self._held_until[check.direction] = step + self.config.failed_move_hold_steps
+        return check.rollout_before, None, (
+            f"undone: the move to {r_now} rollout ranks did not pay ({after:.0f} tokens/s trained after it, "
+            f"{check.goodput_before:.0f} before); held for {self.config.failed_move_hold_steps} steps")
 
     def _observe(self, m: ERSMeasurements) -> None:
         a = self.config.rate_ewma_alpha
