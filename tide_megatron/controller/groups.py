@@ -70,11 +70,10 @@ class GroupBook:
     def start_due(self, consumed_this_step: int) -> None:
         """Start the groups the mode allows now (one loop turn)."""
         if self.mode.continuous_rollout:
-            # Admission bounds staleness: a group started now must be consumable before the
-            # step that trains version+max_staleness+1 ends; groups ahead of it take the slots
-            # (steps are shorter while the buffer retains a reservoir: the window follows them).
-            cap = self.buffer.window_groups(self.groups_per_step, self.version) - consumed_this_step
-            while self.live_training_groups() < cap:
+            room = self.buffer.admission_room(self.groups_per_step, self.version,
+                                              live_groups=self.live_training_groups(),
+                                              consumed_groups=consumed_this_step)
+            for _ in range(room):
                 self.start()
             # full: no room for one more group, and every group started is admitted on a rank
             # (so nothing but the throttle holds the next one back)

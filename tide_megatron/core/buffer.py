@@ -507,6 +507,20 @@ class GlobalBuffer:
             left -= 1
         return sum(sizes)
 
+    def admission_room(self, max_groups: int, admit_version: int, *, live_groups: int,
+                       consumed_groups: int) -> int:
+        """Training groups that may start now: every mode's staleness throttle, asked by the real
+        controller (`controller/groups.py`) and the simulator alike. Live groups (started, not
+        yet consumed or ended) plus those the open step consumed stay within the window
+        (`window_groups`): the steps of versions `admit_version` .. + bound consume them, the
+        open step's consumption included, and every admitted group must fall within them.
+        Counting only live groups admits work no step can consume in time, and every group that
+        then misses frees a slot for another that will miss (observed in the simulator: half
+        of all tokens wasted); counting groups ever started (AReaL's rule) shrinks the pipeline
+        for good with every drop."""
+        window = self.window_groups(max_groups, admit_version)
+        return max(0, window - consumed_groups - live_groups)
+
     def _paced_groups(self, max_groups: int) -> int:
         """A paced step's size: B_min in whole groups (at most `max_groups`)."""
         return min(max_groups, -(-self.config.b_min // self.config.group_size))

@@ -159,7 +159,7 @@ class Simulator:
         """Trainer-work tokens of the ready training groups."""
         self.finished_unconsumed = 0
         """Finished training trajectories not yet consumed, cancelled or dropped."""
-        self.taken_this_step = 0
+        self.taken_groups_this_step = 0
         """Trajectories the trainer took since the current step began."""
         self.ready_changes = 0
         """Bumped whenever a group becomes ready (a trainer the buffer's fetch held back waits
@@ -224,7 +224,7 @@ class Simulator:
 
     def begin_step(self, now: float) -> None:
         """A step starts: its consumption window reopens (the feed refills it)."""
-        self.taken_this_step = 0
+        self.taken_groups_this_step = 0
         self.step_started_at = now
         if self.continuous_rollout:
             self.feed()
@@ -233,19 +233,18 @@ class Simulator:
         self.buffer.begin_step(now)
 
     def feed(self) -> None:
-        """Offer the rollout the tasks the staleness window has room for: live groups (submitted,
-        not yet consumed, cancelled or dropped) plus what the current step took stay within
-        (bound + 1) x B trajectories (`slot_cap`, shorter while the buffer paces steps). The
-        (bound + 1) steps ahead consume (bound + 1) x B, the current step's consumption
-        included, and every admitted group must fall within them: counting only live groups
-        admits work no step can consume in time, and every group that then misses frees a slot
-        for another that will miss (observed: half of all tokens wasted); counting groups that
-        were ever started (AReaL's rule) shrinks the pipeline for good with every drop. The same
-        for every mode; CTB decides, within what is offered, which groups start (its deadline
-        admission) and where."""
-        n = (self.slot_cap - self.taken_this_step) // self.G - self.live_groups
+        """Offer the rollout the groups the staleness window has room for
+        (`GlobalBuffer.admission_room`, as the real controller asks). The same for every mode;
+        CTB decides, within what is offered, which groups start (its deadline admission) and
+        where."""
+        n = self._admission_room()
         if n > 0:
             self.submit(self.new_groups(n))
+
+    def _admission_room(self) -> int:
+        return self.buffer.admission_room(self.B // self.G, self.cluster.version,
+                                          live_groups=self.live_groups,
+                                          consumed_groups=self.taken_groups_this_step)
 
     def _on_admit(self, traj: SimTrajectory) -> None:
         """A trajectory took an env slot: fix the version its staleness is measured from (the
@@ -317,12 +316,6 @@ class Simulator:
         self.ready_tokens -= tokens
         self.finished_unconsumed -= trajs
 
-    @property
-    def slot_cap(self) -> int:
-        """Trajectories the staleness window holds: the open step and the `bound` after it,
-        shorter while the buffer paces steps after a rollout scale-down (`window_groups`)."""
-        return self.buffer.window_groups(self.B // self.G, self.cluster.version) * self.G
-
     def open_stream(self) -> tuple[List[CompletedGroup], int]:
         """A streaming step opens on its first ready data: the groups it takes now, and the
         trajectories it trains in all (`GlobalBuffer.open_stream`, as on the real stack)."""
@@ -348,10 +341,10 @@ class Simulator:
             return
         for g in groups:
             self._unready(g.group_id)
-            self.taken_this_step += len(g)
             self.consumed_trajs.extend(t.payload for t in g.trajectories)
             if self.window is not None:
                 self.window.trained_tokens += g.total_tokens
+        self.taken_groups_this_step += len(groups)
         self._left(admitted=True, n=len(groups))
         self._consumed_kick()
 
@@ -409,8 +402,7 @@ class Simulator:
             self.window.slots_full_s += now - max(self._slots_full_since, self.window.start)
         # full: the window has no room for one more group, and every group offered is admitted
         # (so nothing but the throttle holds the next one back)
-        full = ((self.live_groups + 1) * self.G + self.taken_this_step > self.slot_cap
-                and self.live_groups == self.admitted_groups)
+        full = self._admission_room() == 0 and self.live_groups == self.admitted_groups
         self._slots_full_since = now if full else None
 
     # ====================================================================== roles

@@ -159,6 +159,17 @@ def test_the_staleness_window_counts_the_steps_retention_shortens():
     assert b.window_groups(4, admit_version=2) == 4 + 4 and not b.retaining  # the engines moved on
 
 
+def test_admission_room_is_the_window_less_live_and_consumed_groups():
+    # bound 1, 4 groups a step: 8 groups fit; what the open step consumed still holds its slots
+    b = GlobalBuffer(BufferConfig(group_size=2, b_min=4, b_ideal=8, max_staleness=1, retention_steps=2),
+                     SignalsConfig(micro_batch_tokens=30))
+    assert b.admission_room(4, 0, live_groups=0, consumed_groups=0) == 8
+    assert b.admission_room(4, 0, live_groups=5, consumed_groups=2) == 1
+    assert b.admission_room(4, 0, live_groups=7, consumed_groups=3) == 0  # over: none, never negative
+    b.notify_rollout_scaled(-1)  # retention paces both next steps toward B_min: the window shrinks
+    assert b.admission_room(4, 0, live_groups=3, consumed_groups=0) == 1
+
+
 def test_retention_never_leaves_a_group_on_its_last_chance_behind():
     b = GlobalBuffer(BufferConfig(group_size=2, b_min=2, b_ideal=8, max_staleness=1, reservoir_micro_batches=5),
                      SignalsConfig(micro_batch_tokens=30))

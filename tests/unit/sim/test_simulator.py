@@ -246,7 +246,7 @@ def test_feed_counts_live_groups_so_dropped_groups_are_replaced(small_config):
     assert live_at_step_start[1:] == [cap] * (len(live_at_step_start) - 1)
     # every group that left (consumed, cancelled or dropped) was replaced, and none leaked
     left = len(sim.buffer.records)
-    assert sim.live_groups * sim.G + sim.taken_this_step == cap * sim.G  # the window stays full
+    assert sim.live_groups + sim.taken_groups_this_step == cap  # the window stays full
     assert sim.workload.groups_drawn == left + sim.live_groups
 
 
