@@ -1,9 +1,10 @@
 """Request-level task placement: whole groups onto the least loaded rollout rank.
 
 The baselines (and `tide` with `ctb.enabled=false`) place tasks the way request-level systems
-do: a GRPO group goes to the rollout rank with the fewest running tasks (its members share the
-prompt's prefix there), at most `max_tasks_per_rank` run on a rank at once, and SGLang's own
-continuous batching and retraction decide the rest. CTB (`ctb.enabled` in `tide` mode) places
+do (`core.request_placement.LeastLoadedPlacer`, the rule the simulator uses too): a GRPO group
+goes to the rollout rank with the fewest running tasks (its members share the prompt's prefix
+there), at most `max_tasks_per_rank` run on a rank at once, and SGLang's own continuous
+batching and retraction decide the rest. CTB (`ctb.enabled` in `tide` mode) places
 task by task instead, with the same interface (see `ctb_placement.py`).
 
 A rank that stops answering is dropped (`drop_rank`: its tasks come back as failed) and added
@@ -19,6 +20,7 @@ from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import CancelTask, RunTask, TaskAssignment
+from tide_megatron.core.request_placement import LeastLoadedPlacer
 
 
 class RequestPlacement:
@@ -32,23 +34,21 @@ class RequestPlacement:
         if max_tasks_per_rank < 1:
             raise ValueError("scheduler.max_tasks_per_rank must be >= 1")
         self.mailbox = mailbox
-        self.max_tasks_per_rank = max_tasks_per_rank
-        self._load = {r: 0 for r in ranks}
+        self._placer = LeastLoadedPlacer(ranks, max_tasks_per_rank)
         self._queue: deque[TaskAssignment] = deque()
         self._where: dict[str, int] = {}  # running task -> its rank
         self._cancelled: set[str] = set()  # running tasks told to stop, until their rank answers
-        self._home: dict[str, int] = {}  # group -> the rank its members go to
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when a group's first task is sent to a rank (its admission, for staleness)."""
         self.stats = {"dispatched": 0}
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(self._load)
+        return self._placer.ranks
 
     def describe(self) -> str:
         """Where the tasks are, for a stalled run's message."""
-        running = ", ".join(f"rank {r}: {n}" for r, n in sorted(self._load.items()) if n)
+        running = ", ".join(f"rank {r}: {n}" for r, n in sorted(self._placer.loads().items()) if n)
         return f"request placement: {len(self._queue)} queued; running: {running or 'none'}"
 
     def submit(self, assignments: Iterable[TaskAssignment], *, front: bool = False) -> None:
@@ -66,19 +66,16 @@ class RequestPlacement:
         return []
 
     def _post_queued(self) -> None:
-        while self._queue and self._load:
+        while self._queue:
             a = self._queue[0]
-            rank = self._home.get(a.group_id)
-            if rank not in self._load or self._load[rank] >= self.max_tasks_per_rank:
-                rank = min(self._load, key=lambda r: (self._load[r], r))
-                if self._load[rank] >= self.max_tasks_per_rank:
-                    return
+            started = self._placer.is_placed(a.group_id)
+            rank = self._placer.place(a.group_id)
+            if rank is None:
+                return
             self._queue.popleft()
-            if a.group_id not in self._home:
-                self._home[a.group_id] = rank
+            if not started:
                 self.on_group_started(a.group_id)
             self._where[a.trajectory_id] = rank
-            self._load[rank] += 1
             self.stats["dispatched"] += 1
             self.mailbox.post(rank, RunTask(a))
 
@@ -97,8 +94,7 @@ class RequestPlacement:
         if self._where.get(task_id) != rank:
             return False
         del self._where[task_id]
-        if rank in self._load:
-            self._load[rank] -= 1
+        self._placer.release(rank)
         if task_id in self._cancelled:
             self._cancelled.discard(task_id)
             return False
@@ -125,15 +121,14 @@ class RequestPlacement:
         """Request level keeps no cache affinity to reset."""
 
     def forget_group(self, group_id: str) -> None:
-        self._home.pop(group_id, None)
+        self._placer.forget_group(group_id)
 
     def remove_rank(self, rank: int) -> list[str]:
         """The rank leaves rollout (role change or failure); returns the task ids it ran."""
-        self._load.pop(rank, None)
+        self._placer.remove_rank(rank)
         gone = [tid for tid, r in self._where.items() if r == rank]
         for tid in gone:
             del self._where[tid]
-        self._home = {g: r for g, r in self._home.items() if r != rank}
         return gone
 
     def drop_rank(self, rank: int) -> list[str]:
@@ -149,7 +144,7 @@ class RequestPlacement:
         return []  # nothing is ever handed over here
 
     def add_rank(self, rank: int) -> None:
-        self._load.setdefault(rank, 0)
+        self._placer.add_rank(rank)
 
     def engine_ready(self, rank: int, kv_tokens: int | None, request_rows: int | None) -> None:
         """Request-level placement leaves KV and rows to SGLang: nothing to size."""

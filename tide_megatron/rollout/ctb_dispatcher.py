@@ -13,14 +13,14 @@ Checks that live here, once:
   carries the engine's KV pool and request rows (`RankMismatch` otherwise).
 
 Request-level scheduling stays available as the vanilla baseline (`enabled=False`): every
-task is dispatched at once (round robin, env concurrency only), no tags, no sessions, no
-pauses; SGLang's own continuous batching and retraction decide everything.
+task is dispatched at once (to its group's rank or the least loaded one, as every baseline
+places: `core.request_placement`; env concurrency only), no tags, no sessions, no pauses;
+SGLang's own continuous batching and retraction decide everything.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 from collections import deque
@@ -41,6 +41,7 @@ from tide_megatron.core.ctb import (
     TaskState,
 )
 from tide_megatron.core.ctb_deadline import TrainerClock
+from tide_megatron.core.request_placement import LeastLoadedPlacer
 from tide_megatron.rollout.ctb_carrier import Carrier, TagFields
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, resident_cap_for_rows
 
@@ -107,9 +108,9 @@ class CTBDispatcher:
         """Each rank's engine, as configured until the engine reports what it allocated."""
         self._checked: set[int] = set()
         self._quarantined: set[int] = set()
-        self._vanilla_ranks: set[int] = set()
+        self._vanilla = LeastLoadedPlacer()  # request-level placement (ctb.enabled=false)
         self._vanilla_queue: deque[str] = deque()
-        self._vanilla_running: set[str] = set()
+        self._vanilla_running: dict[str, int] = {}  # task -> its rank
         for rank, resources in sorted(ranks.items()):
             self.add_rank(rank, resources)
 
@@ -118,7 +119,7 @@ class CTBDispatcher:
         """A rank joins rollout (at start, or an ERS role change after a weight sync)."""
         self._checked.discard(rank)
         if not self.cfg.enabled:
-            self._vanilla_ranks.add(rank)
+            self._vanilla.add_rank(rank)
             return
         resources = self.resources.setdefault(rank, resources)  # what its engine reported, once it has
         budget, cap = self.cfg.rank_limits(resources.kv_tokens, resources.request_rows)
@@ -141,7 +142,7 @@ class CTBDispatcher:
         a carrier that can move tasks they are paused and resume elsewhere (fresh prefill);
         otherwise every task whose runner is there is cancelled there and restarts from scratch.
         Returns the ids of the tasks concerned."""
-        self._vanilla_ranks.discard(rank)
+        self._vanilla.remove_rank(rank)
         requeues: list[Requeue] = self.policy.remove_rank(rank) if self.cfg.enabled else []
         self.stats["requeues"] += len(requeues)
         self._quarantined.discard(rank)
@@ -271,6 +272,7 @@ class CTBDispatcher:
     def quarantine(self, rank: int, quarantined: bool = True) -> None:
         """Stop (or restart) dispatching to a rank; its residents keep running."""
         (self._quarantined.add if quarantined else self._quarantined.discard)(rank)
+        self._vanilla.set_accepting(rank, not quarantined)
         if self.cfg.enabled:
             self.policy.set_accepting(rank, not quarantined)
 
@@ -335,6 +337,7 @@ class CTBDispatcher:
             self._forget_after_release.add(group_id)
             return
         self._forget_after_release.discard(group_id)
+        self._vanilla.forget_group(group_id)
         for tid in self.policy.forget(group_id):
             self.assignments.pop(str(tid), None)
             self.runner_rank.pop(str(tid), None)
@@ -402,13 +405,14 @@ class CTBDispatcher:
 
     def _schedule_vanilla(self) -> list[Decision]:
         admits: list[Decision] = []
-        ranks = sorted(self._vanilla_ranks - self._quarantined)
-        order = itertools.cycle(ranks)
-        while ranks and self._vanilla_queue and len(self._vanilla_running) < self.cfg.policy.env_concurrency:
-            tid = self._vanilla_queue.popleft()
-            rank = next(order)
+        while self._vanilla_queue and len(self._vanilla_running) < self.cfg.policy.env_concurrency:
+            tid = self._vanilla_queue[0]
             a = self.assignments[tid]
-            self._vanilla_running.add(tid)
+            rank = self._vanilla.place(a.group_id)
+            if rank is None:
+                break
+            self._vanilla_queue.popleft()
+            self._vanilla_running[tid] = rank
             self.carrier.admit(rank, a, None)
             admits.append(Admit(RolloutTask(tid, a.group_id, str(a.task.get("env", "")), 0, a.is_eval), rank, 0))
         return admits
@@ -433,7 +437,7 @@ class CTBDispatcher:
         group's completion latency). False: the report is stale (the task was cancelled or
         restarted elsewhere meanwhile) and its trajectory must not be used."""
         if not self.cfg.enabled:
-            self._vanilla_running.discard(task_id)
+            self._vanilla_ended(task_id)
             return True
         if not self._runner_is(rank, task_id) and not self._ends_in_transit(task_id):
             return False
@@ -444,13 +448,18 @@ class CTBDispatcher:
         """The task's runner raised. It is FAILED: `requeue_failed` it or `cancel_group` its
         group. False: the report is stale (nothing changes)."""
         if not self.cfg.enabled:
-            self._vanilla_running.discard(task_id)
+            self._vanilla_ended(task_id)
             return True
         if not self._runner_is(rank, task_id) and not self._ends_in_transit(task_id):
             return False
         self.policy.on_task_failed(task_id)
         self.stats["failures"] += 1
         return True
+
+    def _vanilla_ended(self, task_id: str) -> None:
+        rank = self._vanilla_running.pop(task_id, None)
+        if rank is not None:
+            self._vanilla.release(rank)
 
     def _ends_in_transit(self, task_id: str) -> bool:
         """A handed-over task the leaving rank ended instead (it finished or failed before it

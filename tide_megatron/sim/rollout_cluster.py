@@ -8,9 +8,10 @@ stops, its KV and env slot are released at once.
 
 Who goes where is a `PlacementPolicy`'s decision:
 
-- `RequestLevelPolicy` (the baselines): a FIFO of tasks goes to the rank with the fewest
-  resident tasks, limited only by env concurrency; the engine's LRU cache evicts waiting
-  prefixes when new requests need room (the paper's C1).
+- `RequestLevelPolicy` (the baselines): a FIFO of tasks placed by the real stack's rule (a
+  group's home rank, else the one with the fewest tasks; `core.request_placement`), limited
+  only by env concurrency; the engine's LRU cache evicts waiting prefixes when new requests
+  need room (the paper's C1).
 - `CTBPolicy` (`tide_megatron.sim.ctb_policy`): the core `CTBScheduler` decides admission,
   pausing and resumption; engines pin waiting prefixes.
 
@@ -20,11 +21,11 @@ paused or not (its env instance stays alive).
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional
 
+from tide_megatron.core.request_placement import LeastLoadedPlacer
 from tide_megatron.sim.events import EventLoop
 from tide_megatron.sim.hardware import HardwareModel
 from tide_megatron.sim.rollout_rank import RankStats, RolloutRank
@@ -54,11 +55,14 @@ class PlacementPolicy:
 
 
 class RequestLevelPolicy(PlacementPolicy):
-    """Request-level continuous batching: count-balanced placement, nothing pinned."""
+    """Request-level continuous batching: each task to a rank by the real stack's rule
+    (`core.request_placement.LeastLoadedPlacer`), nothing pinned; the env slots bound the total."""
 
     def __init__(self) -> None:
         self.queue: Deque[SimTrajectory] = deque()
         self.homeless: Deque[SimTrajectory] = deque()  # from ranks that left rollout
+        self.placer = LeastLoadedPlacer()
+        self._where: Dict[int, int] = {}  # trajectory -> the rank it was placed on
 
     def submit(self, trajs: List[SimTrajectory]) -> None:
         # eval tasks are queued like any other: a request-level engine has no task priorities
@@ -67,33 +71,36 @@ class RequestLevelPolicy(PlacementPolicy):
     def backlog(self) -> int:
         return len(self.queue) + len(self.homeless)
 
-    def _least_loaded(self) -> List[tuple]:
-        heap = [(len(r.resident), r.rank_id) for r in self.cluster.active_ranks()]
-        heapq.heapify(heap)
-        return heap
+    def on_rank_added(self, rank_id: int) -> None:
+        self.placer.add_rank(rank_id)
+
+    def on_rank_removed(self, rank_id: int, residents: List[SimTrajectory]) -> None:
+        self.placer.remove_rank(rank_id)
+        for traj in residents:
+            self._where.pop(traj.traj_id, None)
+        self.homeless.extend(residents)
+
+    def on_finished(self, traj: SimTrajectory) -> None:
+        rank = self._where.pop(traj.traj_id, None)
+        if rank is not None:
+            self.placer.release(rank)
+
+    def _place(self, traj: SimTrajectory) -> int:
+        rank = self.placer.place(traj.group_id)
+        assert rank is not None, "no per-rank cap here: an active rank always has room"
+        self._where[traj.traj_id] = rank
+        return rank
 
     def dispatch(self, now: float) -> None:
         c = self.cluster
-        heap = self._least_loaded()
-        if not heap:
-            return
         while self.homeless:
             traj = self.homeless.popleft()
-            if traj.cancelled:
-                continue
-            n, rid = heapq.heappop(heap)
-            c.resume(traj, rid, now)
-            heapq.heappush(heap, (n + 1, rid))
+            if not traj.cancelled:
+                c.resume(traj, self._place(traj), now)
         while self.queue and c.live < c.env_concurrency:
             traj = self.queue.popleft()
-            if traj.cancelled:
-                continue
-            n, rid = heapq.heappop(heap)
-            c.admit(traj, rid, now)
-            heapq.heappush(heap, (n + 1, rid))
-
-    def on_rank_removed(self, rank_id: int, residents: List[SimTrajectory]) -> None:
-        self.homeless.extend(residents)
+            if not traj.cancelled:
+                c.admit(traj, self._place(traj), now)
 
 
 class RolloutCluster:
