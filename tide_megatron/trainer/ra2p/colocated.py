@@ -44,7 +44,7 @@ from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, UpdateRes
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.offload import ModelOffloader, OffloadConfig
 from tide_megatron.trainer.ra2p.source import MicroBatchSource, as_source
-from tide_megatron.trainer.ra2p.timing import ActorPassTimer, CostMeter, StepReport, now
+from tide_megatron.trainer.ra2p.timing import ActorPassTimer, CostMeter, StepReport, finish_actor_step, now
 
 
 @dataclass
@@ -181,14 +181,7 @@ class ColocatedExecutor:
         with ActorPassTimer(self.actor.model) as timer:
             reports = self.actor.forward_backward_iter(self._feed(source, report, timer), n)
         report.actor_fwd_s, report.actor_bwd_s = timer.fwd_s, timer.bwd_s
-        opt_started = now()
-        result = self.actor.optimizer_step(reports)
-        report.optimizer_s = now() - opt_started
-        report.wall_s = now() - started
-        if self.meter is not None and report.tokens:
-            self.meter.observe("actor_fwd", report.actor_fwd_s, report.tokens)
-            self.meter.observe("actor_bwd", report.actor_bwd_s, report.tokens)
-        return result, report
+        return finish_actor_step(self.actor, reports, report, started, self.meter)
 
     def close(self) -> None:
         """Leave both models resident (e.g. before a checkpoint or a role change)."""

@@ -45,7 +45,7 @@ from tide_megatron.trainer.actor import MegatronActor, ReferenceModel, UpdateRes
 from tide_megatron.trainer.batch import MicroBatch
 from tide_megatron.trainer.loss_in_backward import ReceivedLogprobs
 from tide_megatron.trainer.ra2p.source import MicroBatchSource, as_source, iterate
-from tide_megatron.trainer.ra2p.timing import ActorPassTimer, CostMeter, StepReport, now
+from tide_megatron.trainer.ra2p.timing import ActorPassTimer, CostMeter, StepReport, finish_actor_step, now
 
 
 @dataclass
@@ -191,11 +191,4 @@ class DecoupledActorExecutor:
         report.ref_wait_s = sum(float(r.get("ref_wait_s", 0.0)) for r in reports)
         report.actor_fwd_s = timer.fwd_s
         report.actor_bwd_s = max(timer.bwd_s - report.ref_wait_s, 0.0)
-        opt_started = now()
-        result = self.actor.optimizer_step(reports)
-        report.optimizer_s = now() - opt_started
-        report.wall_s = now() - started
-        if self.meter is not None and report.tokens:
-            self.meter.observe("actor_fwd", report.actor_fwd_s, report.tokens)
-            self.meter.observe("actor_bwd", report.actor_bwd_s, report.tokens)
-        return result, report
+        return finish_actor_step(self.actor, reports, report, started, self.meter)

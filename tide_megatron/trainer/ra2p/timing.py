@@ -144,6 +144,21 @@ class CostMeter:
         return dataclasses.replace(base, swap_cost_s=self.values["swap"])
 
 
+def finish_actor_step(actor, reports: list, report: StepReport, started: float,
+                      meter: Optional[CostMeter]) -> tuple:
+    """Every executor ends its step alike: the actor's optimizer step, timed into `report`
+    with the step's wall time, and the actor's measured passes folded into `meter`.
+    Returns (the optimizer's result, `report`)."""
+    opt_started = now()
+    result = actor.optimizer_step(reports)
+    report.optimizer_s = now() - opt_started
+    report.wall_s = now() - started
+    if meter is not None and report.tokens:
+        meter.observe("actor_fwd", report.actor_fwd_s, report.tokens)
+        meter.observe("actor_bwd", report.actor_bwd_s, report.tokens)
+    return result, report
+
+
 class ActorPassTimer:
     """Splits an actor step into forward and backward time.
 
