@@ -192,6 +192,16 @@ def sim_paper(r: dict) -> str:
     return "; ".join(parts)
 
 
+def sim_robustness(r: dict) -> str:
+    f = r["figures"]
+    q, e = f["tide_over_best_baseline"], f["ers_over_no_ers"]
+    goals = f.get("goals") or {}
+    return (f"{len(r['workloads'])} random workloads: TIDE/best baseline min {_num(q['min'])}x, median "
+            f"{_num(q['median'])}x, max {_num(q['max'])}x; below best by > 3%: "
+            f"{f['workloads_below_best_by_more_than_3pct']}; ERS/no ERS min {_num(e['min'])}x, median "
+            f"{_num(e['median'])}x; goals met {sum(bool(g['met']) for g in goals.values())}/{len(goals)}")
+
+
 def sim_speed(r: dict) -> str:
     d = r["ctb_decision"]
     out = f"CTB decision {d['median_ms']:.3f} ms median ({d['tasks']} tasks, {d['ranks']} ranks)"
@@ -289,7 +299,7 @@ EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "e2e_goodput": e2e_goodput, "weight_sync": weight_sync, "sleep_on_idle": sleep_on_idle,
     "task_handover": task_handover, "ctb_admission_rules": ctb_admission_rules, "learning_tiny": learning_tiny,
     "learning_vl_tiny": learning_vl_tiny, "soak": soak, "env_server_hostile": env_server_hostile,
-    "sim_paper": sim_paper, "sim_speed": sim_speed, "ra2p_microbench": ra2p_microbench, "ctb_kv": ctb_kv,
+    "sim_paper": sim_paper, "sim_robustness": sim_robustness, "sim_speed": sim_speed, "ra2p_microbench": ra2p_microbench, "ctb_kv": ctb_kv,
     "ctb_rows": ctb_rows, "group_startup": group_startup, "role_transitions": role_transitions,
     "gpu_weight_sync": gpu_weight_sync, "gpu_trainer": gpu_trainer, "trainer_throughput": trainer_throughput,
 }
