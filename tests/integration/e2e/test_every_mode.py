@@ -120,8 +120,17 @@ def role_during(spans: list[dict], step: dict) -> str:
     return next(s["role"] for s in spans if s["start"] <= t and (s["end"] is None or t < s["end"]))
 
 
-SLOW_ENV = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.latency.step_median_s=0.5",
+def slow_env(step_median_s: float) -> list[str]:
+    return ["envs.server.envs.0.latency.enabled=true", f"envs.server.envs.0.latency.step_median_s={step_median_s}",
             "envs.server.envs.0.latency.step_sigma=0.3", "envs.server.envs.0.latency.reset_median_s=0.1"]
+
+
+SLOW_ENV = slow_env(0.5)
+# A move under load needs tasks still running when the trainer finishes step 1: a KV pool of
+# ~8 tasks per rank makes the window's 32 tasks roll out in waves, and 1.5 s env steps make a
+# wave far longer than a training step, also on a loaded CI machine (with 16k-token pools and
+# 0.5 s steps the window once drained before the move).
+HANDOVER_LOAD = ["rollout.engine.max_total_tokens=2048", *slow_env(1.5)]
 
 
 @pytest.mark.parametrize("weight_sync_path", ["host", "broadcast"])
@@ -139,7 +148,7 @@ def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path, weight_
     re-formed group."""
     rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=2", "ers.enabled=true",
                  "ers.drill=split", "ers.drill_every=1", "run.steps=4", "scheduler.min_groups_per_step=2",
-                 f"scheduler.weight_sync_path={weight_sync_path}", *SLOW_ENV)
+                 f"scheduler.weight_sync_path={weight_sync_path}", *HANDOVER_LOAD)
     if weight_sync_path == "broadcast":
         assert [(r["weights/host_ranks"], r["weights/broadcast_ranks"]) for r in rows] == [(0, 1), (0, 1), (1, 1),
                                                                                         (0, 2)]
