@@ -54,6 +54,14 @@ def run_job(*overrides: str, recipe: str = "tiny_cpu", nproc: int = 2, timeout: 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=REPO)
 
 
+def slow_env(step_median_s: float = 0.5) -> list[str]:
+    """Overrides that give the run's first env a long-tailed latency (log-normal env steps of
+    median `step_median_s`, sigma 0.3; 0.1 s resets), so that tasks are resident when a step
+    boundary, a move or a fault comes."""
+    return ["envs.server.envs.0.latency.enabled=true", f"envs.server.envs.0.latency.step_median_s={step_median_s}",
+            "envs.server.envs.0.latency.step_sigma=0.3", "envs.server.envs.0.latency.reset_median_s=0.1"]
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """A run's per-step metrics (`metrics.jsonl`), in order."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

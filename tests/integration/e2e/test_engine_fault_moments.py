@@ -14,14 +14,13 @@ import time
 import pytest
 
 from tide_megatron.utils.fault_injection import KILL_ENGINE_ENV, RUN_DIR_ENV
-from tide_megatron.testing import child_env, read_metrics, run_job
+from tide_megatron.testing import child_env, read_metrics, run_job, slow_env
 
 pytestmark = pytest.mark.integration
 
 STEPS = 4
 BUCKETS = ("in_flight", "ready", "consumed", "dropped_stale", "cancelled", "failed", "lost", "evaluated")
-SLOW_ENV = ["envs.server.envs.0.latency.enabled=true", "envs.server.envs.0.latency.step_median_s=0.5",
-            "envs.server.envs.0.latency.step_sigma=0.3", "envs.server.envs.0.latency.reset_median_s=0.1"]
+SLOW_ENV = slow_env(0.5)
 # ERS's split drill: rank 1 leaves rollout (handing its running tasks over) at the first boundary.
 HANDOVER = ["ers.enabled=true", "ers.drill=split", "ers.drill_every=1", "scheduler.min_groups_per_step=2", *SLOW_ENV]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tide_megatron.testing import read_metrics, run_job
+from tide_megatron.testing import read_metrics, run_job, slow_env
 
 pytestmark = pytest.mark.integration
 
@@ -118,11 +118,6 @@ def role_during(spans: list[dict], step: dict) -> str:
     """A rank's role at the middle of a timeline step."""
     t = (step["start"] + step["end"]) / 2
     return next(s["role"] for s in spans if s["start"] <= t and (s["end"] is None or t < s["end"]))
-
-
-def slow_env(step_median_s: float) -> list[str]:
-    return ["envs.server.envs.0.latency.enabled=true", f"envs.server.envs.0.latency.step_median_s={step_median_s}",
-            "envs.server.envs.0.latency.step_sigma=0.3", "envs.server.envs.0.latency.reset_median_s=0.1"]
 
 
 SLOW_ENV = slow_env(0.5)
