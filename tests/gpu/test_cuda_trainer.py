@@ -1,24 +1,15 @@
 """The trainer on a GPU: Megatron log-probs equal Hugging Face's on CUDA, packed micro-batches give
 the padded ones' log-probs and loss, and a GRPO step runs.
 
-Skipped where CUDA is absent (CI and the CPU development machines). Runs in a subprocess so the
-NCCL process group and CUDA context do not outlive the test.
+Skipped where CUDA is absent (conftest.py). Runs in a subprocess so the NCCL process group and
+CUDA context do not outlive the test.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
-import torch
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU: CUDA is not available here"),
-]
+from tide_megatron.testing import run_script
 
 SCRIPT = textwrap.dedent("""
     import os, sys, torch
@@ -62,7 +53,5 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_megatron_on_cuda_matches_hf_and_trains(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "hf")], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    proc = run_script("-c", SCRIPT, tmp_path / "hf", timeout=600)  # the script's own process: CUDA and NCCL end with it
     assert proc.stdout.startswith("ok")

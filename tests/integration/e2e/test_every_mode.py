@@ -14,15 +14,17 @@ import pytest
 
 from tide_megatron.testing import read_metrics, run_job, slow_env
 
+import metric_sinks
+
 pytestmark = pytest.mark.integration
 
 # The tiny recipe's live context: 2 x groups_per_step x group_size tasks of up to ~300 tokens.
 LIVE_CONTEXT_TOKENS = 2 * 4 * 4 * 300
 
 
-def train(run_dir: Path, ranks: int, *overrides: str) -> list[dict]:
+def train(run_dir: Path, ranks: int, *overrides: str, env: dict[str, str] | None = None) -> list[dict]:
     proc = run_job("metrics.tensorboard=false", "run.checkpoint_interval=0", "scheduler.stall_timeout_s=120",
-                   f"run.output_dir={run_dir}", *overrides, nproc=ranks, timeout=900)
+                   f"run.output_dir={run_dir}", *overrides, nproc=ranks, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return read_metrics(run_dir)
 
@@ -36,22 +38,28 @@ def check(rows: list[dict], steps: int, groups: int) -> None:
     assert rows[-1]["ledger/wasted"] <= 0.02 * rows[-1]["ledger/generated"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "sync_split", "async_static", "stream", "tide"])
+# sync_split, the tiny recipe's own mode, is the run of test_train_tiny_cpu.py. The tide run also
+# logs to W&B and MLflow (metric_sinks.py; both in requirements/loggers.lock), the path a user takes.
+@pytest.mark.parametrize("mode", ["sync", "async_static", "stream", "tide"])
 def test_every_mode_trains(tmp_path, mode):
-    rows = train(tmp_path, 2, f"scheduler.mode={mode}", "run.steps=3")
+    sinks = mode == "tide"
+    run_dir = tmp_path / "run"
+    rows = train(run_dir, 2, f"scheduler.mode={mode}", "run.steps=3",
+                 *(metric_sinks.OVERRIDES if sinks else ()), env=metric_sinks.job_env(tmp_path) if sinks else None)
     check(rows, 3, 4)
     assert {r["mode"] for r in rows} == {mode}
-    if mode in ("sync", "sync_split"):
+    if mode == "sync":
         assert all(r["staleness/max"] == 0 for r in rows)
         # sync time-shares: rank 1 rolls out each batch, then trains it beside rank 0
-        assert [r["trainer/dp_size"] for r in rows] == ([2] * 3 if mode == "sync" else [1] * 3)
-    if mode == "sync":
-        spans = json.loads((tmp_path / "timeline.json").read_text())["ranks"]["1"]
+        assert [r["trainer/dp_size"] for r in rows] == [2] * 3
+        spans = json.loads((run_dir / "timeline.json").read_text())["ranks"]["1"]
         assert [s["role"] for s in spans] == ["rollout", "actor_ref"] * 3
     if mode == "stream":
         assert all(r["ra2p/num_swaps"] >= 2 for r in rows)  # a Ref/Actor alternation per micro-batch
     if mode == "tide":
-        check_timeline(tmp_path, rows)
+        check_timeline(run_dir, rows)
+    if sinks:
+        metric_sinks.check_logged(tmp_path, run_dir, rows, mode)
 
 
 def check_timeline(run_dir: Path, rows: list[dict]) -> None:

@@ -39,8 +39,11 @@ def test_run_writes_metrics_every_step(trained):
         # The ranks' own token counts agree with what was booked: nothing vanished, nothing wasted.
         assert r["ledger/lost"] == 0 and r["ledger/wasted"] == 0
         assert r["ledger/consumed"] == sum(x["consumed_tokens"] for x in rows[: r["step"]])
-        assert r["twt_s"] > 0  # sync: the trainer waits for the whole batch every step
-        assert r["staleness/max"] == 0  # sync mode is on-policy
+        # The recipe's mode, sync_split (test_every_mode runs the other modes): rank 0 trains
+        # alone and waits for the whole batch every step, which is on-policy.
+        assert r["mode"] == "sync_split" and r["trainer/dp_size"] == 1 and r["groups"] == 2
+        assert r["twt_s"] > 0
+        assert r["staleness/max"] == 0
         assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0
     assert rows[1]["version"] == 2
     assert any((trained / "tensorboard").iterdir())
