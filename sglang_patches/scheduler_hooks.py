@@ -94,14 +94,35 @@ class SchedulerCTBState:
     def count(self, hook: str) -> None:
         self.hooks_called[hook] = self.hooks_called.get(hook, 0) + 1
 
-    def record_decode(self, batch_size: int, seconds: float) -> None:
-        self.decode_iterations += 1
+    def record_decode(self, batch_size: int, seconds: float, iterations: int = 1) -> None:
+        """`iterations` decode iterations of `batch_size` sequences, `seconds` in all."""
+        self.decode_iterations += iterations
         self.decode_s += seconds
-        self.decode_seqs += batch_size
+        self.decode_seqs += batch_size * iterations
         self.decode_seq_s += batch_size * seconds
         if batch_size == 1:
-            self.decode_floor_iterations += 1
+            self.decode_floor_iterations += iterations
             self.decode_floor_s += seconds
+
+    def report(self, tag: TaskTag, context_tokens: int, retraction_count: int, kv_state: dict[str, Any]) -> dict:
+        """The report a finished tagged request carries (`meta_info["tide_ctb"]`)."""
+        return {
+            "plugin": "tide_ctb",
+            "pid": os.getpid(),
+            "task_id": tag.task_id,
+            "kind": tag.kind,
+            "context_tokens": context_tokens,
+            "retraction_count": retraction_count,
+            "pinned_tasks": len(self.pinned),
+            "pinned_reserve": self.pinned_reserve(),
+            "admitted": self.admitted,
+            "ctb_retractions": self.ctb_retractions,
+            "released_sessions": self.released_sessions,
+            "released_cached_tokens": self.released_cached_tokens,
+            "hooks_called": dict(self.hooks_called),
+            **self.decode_counters(),
+            **kv_state,
+        }
 
     def decode_counters(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in DECODE_COUNTERS}
@@ -218,11 +239,22 @@ def cache_session_context(cache: Any, kv: Any, req: Any) -> int:
 
 
 # -- admission ----------------------------------------------------------------------------
-def _queue_key(req: Any) -> tuple[int, float]:
-    tag = _tag(req)
+def queue_key(tag: Optional[TaskTag]) -> tuple[int, float]:
+    """Waiting-queue order: resident tasks' turns (highest CTB priority first), then untagged
+    requests, then first turns of newly admitted tasks. Sort stably by it."""
     if tag is None:
         return (1, 0.0)
     return (2 if tag.kind == ADMIT else 0, -tag.priority)
+
+
+def keep_key(tag: Optional[TaskTag]) -> tuple[int, float]:
+    """Retraction order under memory pressure: the running request with the largest key goes
+    first, i.e. untagged ones, then tagged ones from the lowest CTB priority up."""
+    return (0, -tag.priority) if tag is not None else (1, 0.0)
+
+
+def _queue_key(req: Any) -> tuple[int, float]:
+    return queue_key(_tag(req))
 
 
 def after_calc_priority(result, policy, waiting_queue, *args, **kwargs):
@@ -263,11 +295,7 @@ def around_retraction_order(original, reqs, *args, **kwargs):
     STATE.ctb_retractions += 1
     rank_in_default = {idx: pos for pos, idx in enumerate(order)}
 
-    def keep_key(i: int) -> tuple[int, float, int]:
-        tag = _tag(reqs[i])
-        return (0, -tag.priority, rank_in_default[i]) if tag is not None else (1, 0.0, rank_in_default[i])
-
-    return sorted(order, key=keep_key)
+    return sorted(order, key=lambda i: (*keep_key(_tag(reqs[i])), rank_in_default[i]))
 
 
 # -- decode timing -----------------------------------------------------------------------
@@ -335,23 +363,8 @@ def before_stream_output(streamer, reqs, *args, **kwargs):
         in_session = getattr(req, "session", None) is not None or tag.task_id in STATE.session_task.values()
         if in_session:
             STATE.pinned[tag.task_id] = (context, tag.turn_reserve_tokens)
-        report = {
-            "plugin": "tide_ctb",
-            "pid": os.getpid(),
-            "task_id": tag.task_id,
-            "kind": tag.kind,
-            "context_tokens": context,
-            "retraction_count": int(getattr(req, "retraction_count", 0) or 0),
-            "pinned_tasks": len(STATE.pinned),
-            "pinned_reserve": STATE.pinned_reserve(),
-            "admitted": STATE.admitted,
-            "ctb_retractions": STATE.ctb_retractions,
-            "released_sessions": STATE.released_sessions,
-            "released_cached_tokens": STATE.released_cached_tokens,
-            "hooks_called": dict(STATE.hooks_called),
-            **STATE.decode_counters(),
-            **_kv_state(streamer.tree_cache),
-        }
+        report = STATE.report(tag, context, int(getattr(req, "retraction_count", 0) or 0),
+                              _kv_state(streamer.tree_cache))
         req.customized_info = dict(req.customized_info or {})
         req.customized_info[REPORT_KEY] = [report]
         STATE.tags.pop(req.rid, None)

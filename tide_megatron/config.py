@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tide_megatron.core.modes import SCHEDULER_MODES
 from tide_megatron.core.ra2p import RA2PConfig
+from tide_megatron.emulation.config import DEVICES, EmulationConfig
 from tide_megatron.envs.config import EnvClientConfig, EnvConfig, EnvServerConfig
 from tide_megatron.rollout.config import RolloutEngineConfig, TaskRunnerConfig
 from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resources
@@ -147,6 +148,12 @@ class ClusterConfig:
     ref_ranks: int = 0
     """Dedicated reference ranks for decoupled RA2P (`scheduler.mode=tide`), placed right
     after the actor ranks. 0: the reference always runs colocated with the actor."""
+    device: str = "real"
+    """`real`: engines and trainers run on the configured devices. `emulated`: every rank runs
+    its real code, and device work takes the simulator's cost-model time instead (rollout
+    engines so far: `emulation/engine.py`; the trainer still trains the checkpoint for real)."""
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    """The emulated device (`device=emulated`)."""
 
 
 @dataclass
@@ -456,6 +463,11 @@ def validate(cfg: JobConfig, world_size: int) -> None:
                          f"scheduler.groups_per_step={cfg.scheduler.groups_per_step}")
     if cfg.scheduler.min_groups_per_step and cfg.scheduler.mode != "tide":
         raise ValueError(f"scheduler.min_groups_per_step needs scheduler.mode=tide, got {cfg.scheduler.mode}")
+    if cfg.cluster.device not in DEVICES:
+        raise ValueError(f"cluster.device={cfg.cluster.device!r}: expected one of {DEVICES}")
+    if cfg.cluster.device == "emulated" and cfg.scheduler.weight_sync_path != "host":
+        raise ValueError("cluster.device=emulated: emulated engines take weights on the host path only; set "
+                         "scheduler.weight_sync_path=host")
     if cfg.scheduler.weight_sync_path not in WEIGHT_SYNC_PATHS:
         raise ValueError(f"scheduler.weight_sync_path={cfg.scheduler.weight_sync_path!r}: expected one of "
                          f"{WEIGHT_SYNC_PATHS}")

@@ -279,8 +279,17 @@ class Job:
         engine_cfg = dataclasses.replace(cfg.rollout.engine, seed=cfg.run.seed + self.topo.rank,
                                          base_gpu_id=self.topo.gpu)
 
-        def new_engine() -> RolloutEngine:
-            return RolloutEngine(engine_cfg, self.model_path)
+        if cfg.cluster.device == "emulated":
+            from tide_megatron.emulation.engine import EmulatedEngine
+            from tide_megatron.sim.loader import load_hardware_model
+
+            cost = load_hardware_model(cfg.cluster.emulation.hardware, cfg.cluster.emulation.model)
+
+            def new_engine():
+                return EmulatedEngine(engine_cfg, cfg.cluster.emulation, cost)
+        else:
+            def new_engine():
+                return RolloutEngine(engine_cfg, self.model_path)
 
         client = EnvClient(self._client_config())
         worker = RolloutWorker(self.topo.rank, new_engine(), cfg.rollout.runner,

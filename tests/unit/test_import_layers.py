@@ -32,6 +32,7 @@ REPO = PKG.parent
 FRAMEWORKS = ("torch", "megatron", "sglang", "transformers", "numpy")
 CONFIG_MODULES = (
     "tide_megatron.config",
+    "tide_megatron.emulation.config",
     "tide_megatron.envs.config",
     "tide_megatron.envs.env_config",
     "tide_megatron.models.config",

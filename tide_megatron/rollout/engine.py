@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from tide_megatron.rollout.config import RolloutEngineConfig
+from tide_megatron.rollout.turn_gate import TurnGate
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +195,7 @@ class RolloutEngine:
         self.weight_epoch = 0
         """Counts weight loads: a session opened in an older epoch holds stale KV."""
         self._sessions: set[str] = set()
-        self._turns_open = asyncio.Event()
-        self._turns_open.set()
-        self._active_turns = 0
-        self._no_turns = asyncio.Event()
-        self._no_turns.set()
+        self._gate = TurnGate()
 
     def _child_died(self, signum, frame) -> None:
         logger.error("an SGLang subprocess of this rollout rank died; the engine will be replaced")
@@ -237,22 +234,13 @@ class RolloutEngine:
             raise RuntimeError("the rollout engine died")
         return work.result()
 
-    @contextlib.asynccontextmanager
-    async def turn(self):
+    def turn(self):
         """Hold while one turn generates: a weight update waits for it and blocks new ones."""
-        await self._turns_open.wait()
-        self._active_turns += 1
-        self._no_turns.clear()
-        try:
-            yield
-        finally:
-            self._active_turns -= 1
-            if self._active_turns == 0:
-                self._no_turns.set()
+        return self._gate.turn()
 
     @property
     def active_turns(self) -> int:
-        return self._active_turns
+        return self._gate.active
 
     # -- generation -------------------------------------------------------------------
     async def generate(
@@ -389,16 +377,14 @@ class RolloutEngine:
 
     async def _swap_weights(self, load, version: int) -> None:
         """Await `load()` with no turn in flight and no session open (see the module docstring)."""
-        self._turns_open.clear()
-        try:
-            await self._no_turns.wait()
+        async def swap() -> None:
             for session_id in list(self._sessions):
                 await self.close_session(session_id)
             await self._unless_dead(load())
             self.weight_version = version
             self.weight_epoch += 1
-        finally:
-            self._turns_open.set()
+
+        await self._gate.closed(swap)
 
     async def _load(self, update, requests: list, version: int) -> None:
         """`update(request)` for each bucket inside one weight-update boundary, then a flush."""

@@ -41,3 +41,19 @@ def load_config(setup: str, overrides: Optional[List[str]] = None) -> SimConfig:
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
         cfg = compose(config_name=SCHEMA_NAME, overrides=[f"+sim={setup}", *(overrides or [])])
     return to_sim_config(cfg)
+
+
+def load_hardware_model(hardware: str, model: str):
+    """The cost model (`sim.hardware.HardwareModel`) of `recipes/sim/hardware/<hardware>.yaml`
+    and `recipes/sim/model/<model>.yaml`, as the simulator composes them."""
+    from tide_megatron.sim.config import HardwareConfig, SimModelConfig
+    from tide_megatron.sim.hardware import HardwareModel
+
+    parts = []
+    for kind, name, schema in (("hardware", hardware, HardwareConfig), ("model", model, SimModelConfig)):
+        path = RECIPES_DIR / "sim" / kind / f"{name}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+            raise ValueError(f"no {kind} named {name!r} in {path.parent} (known: {known})")
+        parts.append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path))))
+    return HardwareModel(*parts)

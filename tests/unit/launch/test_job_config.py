@@ -78,6 +78,7 @@ def test_overrides_reach_the_dataclasses(compose_job):
     ("trainer.no_such_key=1", "no_such_key"),
     ("run.steps=many", "run.steps"),
     ("+recipe=no_such_recipe", "recipe/no_such_recipe"),
+    ("cluster.emulation.dilation=0", "cluster.emulation.dilation=0"),
 ])
 def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     with pytest.raises(Exception) as info:
@@ -96,6 +97,8 @@ def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     ("scheduler.groups_per_step=0", 2, "scheduler.groups_per_step=0: a step trains at least one group"),
     ("ra2p.executor=vs", 2, "ra2p.executor=vs with scheduler.mode=sync_split"),
     ("scheduler.mode=stream ra2p.executor=decoupled", 2, "ra2p.executor=decoupled with scheduler.mode=stream"),
+    ("cluster.device=tpu", 2, "cluster.device='tpu'"),
+    ("cluster.device=emulated scheduler.weight_sync_path=broadcast", 2, "scheduler.weight_sync_path=host"),
 ])
 def test_validate_names_the_offending_keys(compose_job, override, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
