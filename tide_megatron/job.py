@@ -279,21 +279,23 @@ class Job:
         engine_cfg = dataclasses.replace(cfg.rollout.engine, seed=cfg.run.seed + self.topo.rank,
                                          base_gpu_id=self.topo.gpu)
 
+        chat = build_chat(self.model_path, cfg.rollout.runner.system_prompt)
         if cfg.cluster.device == "emulated":
             from tide_megatron.emulation.engine import EmulatedEngine
+            from tide_megatron.envs.workload_env import answer_length_reader
             from tide_megatron.sim.loader import load_hardware_model
 
             cost = load_hardware_model(cfg.cluster.emulation.hardware, cfg.cluster.emulation.model)
+            answer_length = answer_length_reader(chat.tokenizer)
 
             def new_engine():
-                return EmulatedEngine(engine_cfg, cfg.cluster.emulation, cost)
+                return EmulatedEngine(engine_cfg, cfg.cluster.emulation, cost, answer_length)
         else:
             def new_engine():
                 return RolloutEngine(engine_cfg, self.model_path)
 
         client = EnvClient(self._client_config())
-        worker = RolloutWorker(self.topo.rank, new_engine(), cfg.rollout.runner,
-                               build_chat(self.model_path, cfg.rollout.runner.system_prompt), client, self.mailbox,
+        worker = RolloutWorker(self.topo.rank, new_engine(), cfg.rollout.runner, chat, client, self.mailbox,
                                self.topo.job_group, heartbeat_interval_s=cfg.scheduler.heartbeat_interval_s,
                                engine_factory=new_engine)
         self._closers.append(worker)  # shuts down whichever engine the worker runs at the end

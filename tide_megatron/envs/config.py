@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tide_megatron.envs.env_config import (
-    DoorGameConfig, EnvConfig, GuiDesktopConfig, LatencyConfig, OSWorldConfig, TextWorldConfig, default_cache_dir,
+    DoorGameConfig, EnvConfig, GuiDesktopConfig, LatencyConfig, OSWorldConfig, TextWorldConfig, WorkloadEnvConfig,
+    default_cache_dir,
 )
 
 __all__ = [
     "DoorGameConfig", "EnvClientConfig", "EnvConfig", "EnvServerConfig", "EnvServerLimits", "EnvServerProcessConfig",
     "GuiDesktopConfig", "ImageLimits", "LatencyConfig", "OSWorldConfig", "TOKEN_ENV_VAR", "TextWorldConfig",
-    "config_from_dict", "config_to_dict", "default_cache_dir",
+    "WorkloadEnvConfig", "config_from_dict", "config_to_dict", "default_cache_dir",
 ]
 
 T = TypeVar("T")

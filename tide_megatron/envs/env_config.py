@@ -189,6 +189,28 @@ class OSWorldConfig:
 
 
 @dataclass
+class WorkloadEnvConfig:
+    """The `workload` env: replays the simulator's task stream (`recipes/sim/workload/<name>.yaml`)
+    for emulated runs (`cluster.device=emulated`), turn for turn."""
+
+    workload: str = "text_webshop_alfworld"
+    """Workload file under `recipes/sim/workload/`."""
+
+    seed: int = 0
+    """Seed of the draws (the simulator's `seed`): task `train/i` is the simulator's group i."""
+
+    time_scale: float = 1.0
+    """Env latencies (reset, step) are multiplied by this: set it to `cluster.emulation.dilation`
+    so that env and device time dilate together."""
+
+    num_train_tasks: int = 10_000
+    """Tasks in the train split."""
+
+    num_eval_tasks: int = 1_000
+    """Tasks in the eval split."""
+
+
+@dataclass
 class LatencyConfig:
     """Emulated remote-environment latency and turn-count variation, deterministic under `seed`.
 
@@ -265,6 +287,9 @@ class EnvConfig:
 
     osworld: OSWorldConfig = field(default_factory=OSWorldConfig)
     """Options of `osworld`."""
+
+    workload: WorkloadEnvConfig = field(default_factory=WorkloadEnvConfig)
+    """Options of `workload`."""
 
     latency: LatencyConfig = field(default_factory=LatencyConfig)
     """Emulated latency and extra turns (off by default)."""

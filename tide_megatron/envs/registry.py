@@ -2,7 +2,8 @@
 
 Built-in names: `door_game` and `gui_desktop` (always available), `textworld` (needs the
 textworld package from requirements/envs.lock; imported only when a textworld env is built),
-and `osworld` (the adapter to OSWorld's VM servers).
+`osworld` (the adapter to OSWorld's VM servers) and `workload` (the simulator's task stream,
+replayed for emulated runs).
 """
 
 from __future__ import annotations
@@ -63,7 +64,14 @@ def _textworld(cfg: EnvConfig) -> Env:
     return TextWorldEnv(cfg)
 
 
+def _workload(cfg: EnvConfig) -> Env:
+    from tide_megatron.envs.workload_env import WorkloadEnv
+
+    return WorkloadEnv(cfg)
+
+
 register_env("door_game", _door_game)
+register_env("workload", _workload)
 register_env("textworld", _textworld)
 register_env("gui_desktop", _gui_desktop)
 register_env("osworld", _osworld)

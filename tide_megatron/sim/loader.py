@@ -57,3 +57,14 @@ def load_hardware_model(hardware: str, model: str):
             raise ValueError(f"no {kind} named {name!r} in {path.parent} (known: {known})")
         parts.append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path))))
     return HardwareModel(*parts)
+
+
+def load_workload(name: str):
+    """The task stream `recipes/sim/workload/<name>.yaml` (`sim.config.WorkloadConfig`)."""
+    from tide_megatron.sim.config import WorkloadConfig
+
+    path = RECIPES_DIR / "sim" / "workload" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"no workload named {name!r} in {path.parent} (known: {known})")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WorkloadConfig), OmegaConf.load(path)))

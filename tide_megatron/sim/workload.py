@@ -112,6 +112,10 @@ def _lognormal(rng: random.Random, median_sigma: List[float]) -> float:
     return median * math.exp(rng.gauss(0.0, sigma)) if sigma > 0 else median
 
 
+EVAL_GROUP_BASE = 1_000_000_000
+"""Group ids of evaluation tasks start here (a separate range from training tasks)."""
+
+
 class WorkloadModel:
     """Draws groups of trajectories for training steps and evaluation phases."""
 
@@ -163,10 +167,20 @@ class WorkloadModel:
             context=prompt,
         )
 
-    def _group(self, group_id: int, size: int, is_eval: bool) -> Group:
+    def group_shape(self, group_id: int) -> tuple[TaskTypeConfig, int]:
+        """The task type and prompt tokens of group `group_id` (what its members share)."""
         rng = random.Random(self.seed * 7_919 + group_id)
         ttype = self._task_type(rng)
-        prompt = max(16, round(_lognormal(rng, ttype.prompt_tokens)))
+        return ttype, max(16, round(_lognormal(rng, ttype.prompt_tokens)))
+
+    def trajectory(self, group_id: int, index: int, is_eval: bool = False) -> SimTrajectory:
+        """Member `index` of group `group_id`, as `next_train_group` / `next_eval_group` draw it
+        (the emulated `workload` env replays these)."""
+        ttype, prompt = self.group_shape(group_id)
+        return self._trajectory(group_id, index, ttype, prompt, is_eval)
+
+    def _group(self, group_id: int, size: int, is_eval: bool) -> Group:
+        ttype, prompt = self.group_shape(group_id)
         trajs = [self._trajectory(group_id, i, ttype, prompt, is_eval) for i in range(size)]
         return Group(group_id=group_id, trajectories=trajs, is_eval=is_eval)
 
@@ -182,7 +196,7 @@ class WorkloadModel:
 
     def next_eval_group(self) -> Group:
         """Evaluation tasks: one trajectory each, ids in a separate range from training tasks."""
-        gid = 1_000_000_000 + self._next_eval
+        gid = EVAL_GROUP_BASE + self._next_eval
         self._next_eval += 1
         return self._group(gid, 1, is_eval=True)
 
