@@ -39,6 +39,7 @@ class Job:
         self.mailbox = Mailbox(self.topo.store, self.topo.rank)
         self._env_server = None
         self._closers: list[Any] = []
+        self._cost = None  # the emulated device's cost model, once loaded
         self._resume = None  # rank 0: the checkpoint chosen to resume from (a ResumePoint), if any
         if self.topo.is_controller:
             self._setup_rank0()
@@ -178,9 +179,15 @@ class Job:
 
         mode = mode_policy(self.cfg.scheduler.mode, ra2p_executor=self.cfg.ra2p.executor,
                            ctb_enabled=self.cfg.ctb.enabled)
+        device_time = None
+        if self.cfg.cluster.device == "emulated":
+            from tide_megatron.emulation.trainer_time import TrainerDeviceTime
+
+            device_time = TrainerDeviceTime(self._emulated_cost(), self.cfg.cluster.emulation.dilation)
         trainer = TrainerWorker.at_startup(
             self.topo, self.cfg.trainer, self.model_path, self.checkpoint_root,
-            colocated=mode.colocated_config(self.cfg.ra2p.cost_model.aggregation_limit, self.cfg.ra2p.offload_idle_model))
+            colocated=mode.colocated_config(self.cfg.ra2p.cost_model.aggregation_limit, self.cfg.ra2p.offload_idle_model),
+            device_time=device_time)
         start_step = trainer.load(self.resume_path) if self.resume_path and self.topo.trains else 0
         return trainer, start_step
 
@@ -267,6 +274,14 @@ class Job:
         for note in run_state.restore(controller, run_state.RunState.from_json(self._resume.run_state)):
             say(note)
 
+    def _emulated_cost(self):
+        """The emulated device's cost model (`cluster.device=emulated`), the simulator's."""
+        if self._cost is None:
+            from tide_megatron.sim.loader import load_hardware_model
+
+            self._cost = load_hardware_model(self.cfg.cluster.emulation.hardware, self.cfg.cluster.emulation.model)
+        return self._cost
+
     def _start_rollout(self):
         """This rank's rollout worker: an SGLang engine and an env connection, kept for the run
         (a rank moved to the trainer and back reuses them)."""
@@ -283,13 +298,12 @@ class Job:
         if cfg.cluster.device == "emulated":
             from tide_megatron.emulation.engine import EmulatedEngine
             from tide_megatron.envs.workload_env import answer_length_reader
-            from tide_megatron.sim.loader import load_hardware_model
 
-            cost = load_hardware_model(cfg.cluster.emulation.hardware, cfg.cluster.emulation.model)
-            answer_length = answer_length_reader(chat.tokenizer)
+            cost, answer_length = self._emulated_cost(), answer_length_reader(chat.tokenizer)
 
             def new_engine():
-                return EmulatedEngine(engine_cfg, cfg.cluster.emulation, cost, answer_length)
+                return EmulatedEngine(engine_cfg, cfg.cluster.emulation, cost, answer_length,
+                                      cluster_gpus=self.topo.world_size)
         else:
             def new_engine():
                 return RolloutEngine(engine_cfg, self.model_path)

@@ -95,8 +95,12 @@ class EmulatedEngine:
     """A rollout rank's engine with modelled device time (see the module docstring)."""
 
     def __init__(self, cfg: RolloutEngineConfig, emulation: EmulationConfig, cost: HardwareModel,
-                 answer_length: Optional[Callable[[list[int]], Optional[int]]] = None):
+                 answer_length: Optional[Callable[[list[int]], Optional[int]]] = None, cluster_gpus: int = 1):
+        """`answer_length(context)`: tokens the policy answers a context with, when it says;
+        `cluster_gpus`: GPUs of the job (a weight update costs the simulator's broadcast time
+        for that many, `HardwareModel.weight_sync_s`)."""
         self.cfg = cfg
+        self.cluster_gpus = cluster_gpus
         self.emulation = emulation
         self.cost = cost
         self._answer_length = answer_length
@@ -225,9 +229,9 @@ class EmulatedEngine:
 
     # -- weights ----------------------------------------------------------------------------
     async def load_serialized(self, buckets: list, version: int) -> None:
-        """New weights at a weight-update boundary: the engine copies them from host memory
-        (the modelled time of a host-to-device copy of the model), closes every session and
-        drops its cache."""
+        """New weights at a weight-update boundary: the engine closes every session, takes the
+        simulator's time for a weight broadcast to it, and drops its cache. (The bytes that
+        arrive are the small checkpoint's; the time is the modelled model's.)"""
         await self._swap_weights(version)
 
     async def update_weights(self, named_tensors, version: int) -> None:
@@ -245,7 +249,7 @@ class EmulatedEngine:
         async def swap() -> None:
             for sid in list(self._sessions):
                 await self.close_session(sid)
-            await self._device(self.cost.weight_bytes / self.cost.tp / self.cost.pcie_bytes_per_s)
+            await self._device(self.cost.weight_sync_s(self.cluster_gpus))
             self._pool.flush()
             self.weight_version = version
             self.weight_epoch += 1

@@ -17,6 +17,7 @@ of another DP size between steps (ERS), without creating a group.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -39,10 +40,12 @@ class ReferenceModel:
     """A frozen GPTModel: forward-only per-token log-probs for the KL penalty."""
 
     def __init__(self, model_cfg: PolicyConfig, hf_checkpoint_dir: str | os.PathLike, bf16: bool = False,
-                 groups=None, layer_spec: str = "auto"):
+                 groups=None, layer_spec: str = "auto", device_time=None):
         """`groups`: the `ProcessGroupCollection` to run on (default: this rank's home TP group,
-        `GroupRegistry.model_groups()`); `layer_spec`: the actor's (`trainer.layer_spec`)."""
+        `GroupRegistry.model_groups()`); `layer_spec`: the actor's (`trainer.layer_spec`);
+        `device_time`: emulated device time (`emulation.trainer_time.TrainerDeviceTime`)."""
         self.model_cfg = model_cfg
+        self.device_time = device_time
         self.banned_token_ids = banned_token_ids(model_cfg)
         self.model = build_model(model_cfg, groups, bf16=bf16, layer_spec=layer_spec)
         load_hf_weights(self.model, hf_checkpoint_dir, model_cfg)
@@ -53,8 +56,12 @@ class ReferenceModel:
     @torch.no_grad()
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Reference log-probs of a micro-batch. # [B, T]"""
+        started = time.perf_counter()
         mb = micro_batch.to(_device())
-        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
+        out = forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
+        if self.device_time is not None:
+            self.device_time.forward(mb.modelled_lengths, started)
+        return out
 
     def attach_logprobs(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Fill `ref_logprobs` of each micro-batch in place (colocated mode); returns them."""
@@ -87,11 +94,12 @@ class MegatronActor:
     """The trained policy: Megatron GPTModel + DDP + Megatron optimizer."""
 
     def __init__(self, model_cfg: PolicyConfig, trainer_cfg: TrainerConfig,
-                 hf_checkpoint_dir: str | os.PathLike | None, groups=None):
+                 hf_checkpoint_dir: str | os.PathLike | None, groups=None, device_time=None):
         """`hf_checkpoint_dir` None leaves Megatron's random init (a joining rank that receives
         the current weights and optimizer state). `groups`: the `ProcessGroupCollection` of this
         rank's actor configuration (default: every TP block of the job trains,
-        `GroupRegistry.actor_groups`). Construction communicates with no other rank."""
+        `GroupRegistry.actor_groups`). `device_time`: emulated device time
+        (`emulation.trainer_time.TrainerDeviceTime`). Construction communicates with no other rank."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -104,6 +112,7 @@ class MegatronActor:
         self.banned_token_ids = banned_token_ids(model_cfg)
         self.cfg = trainer_cfg
         self.groups = groups
+        self.device_time = device_time
         self.step = 0
         model = build_model(model_cfg, groups, bf16=trainer_cfg.bf16, recompute=trainer_cfg.recompute,
                             layer_spec=trainer_cfg.layer_spec)
@@ -181,8 +190,12 @@ class MegatronActor:
     @torch.no_grad()
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Current-policy log-probs of a micro-batch, no gradient. # [B, T]"""
+        started = time.perf_counter()
         mb = micro_batch.to(_device())
-        return forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
+        out = forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
+        if self.device_time is not None:
+            self.device_time.forward(mb.modelled_lengths, started)
+        return out
 
     # ---- one optimizer step ------------------------------------------------------------
 
@@ -201,8 +214,12 @@ class MegatronActor:
         # micro-batch, here, just before its training forward (the iterator stays lazy). Weights
         # change only at the step's one optimizer step, so these are the pre-update numbers.
         trainer_old = self.logprobs(mb) if self.cfg.recompute_old_logprobs else None  # [B, T]
+        started = time.perf_counter()
         logprobs = forward_logprobs(model, mb.token_ids, mb.position_ids, self.banned_token_ids,
                                     **mb.model_inputs())  # [B, T]
+        if self.device_time is not None:
+            self.device_time.forward(mb.modelled_lengths, started)
+            logprobs = self.device_time.backward_after(logprobs, mb.modelled_lengths)
         return logprobs, partial(self._loss_func, mb, trainer_old)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> list[dict]:

@@ -25,6 +25,8 @@ besides ids and positions.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -83,6 +85,9 @@ class MicroBatch:
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
     image_mask: torch.Tensor | None = None  # [B, T] bool
     cu_seqlens: torch.Tensor | None = None  # [S + 1] int32 trajectory starts (packed); None: padded
+    modelled_lengths: list[int] | None = None
+    """Emulated device time (`emulation/trainer_time.py`): the trajectories' full lengths, which
+    the passes' modelled time is charged for (the tensors hold their trimmed tails)."""
     # With images, position_ids is [3, B, T] (MRoPE); otherwise [B, T].
 
     @property
@@ -91,7 +96,10 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Trajectory tokens (padding and the packed filler excluded): what RA2P's costs count."""
+        """Trajectory tokens (padding and the packed filler excluded): what RA2P's costs count
+        (with emulated device time, the full trajectories' that the time is charged for)."""
+        if self.modelled_lengths:
+            return sum(self.modelled_lengths)
         return sum(self.lengths) if self.lengths else self.token_ids.numel()
 
     @property
@@ -121,10 +129,9 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> "MicroBatch":
         # ref_logprobs may be a pending handle (loss-in-backward); only tensors move.
         move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        return MicroBatch(move(self.token_ids), move(self.position_ids), move(self.loss_mask),
-                          move(self.old_logprobs), move(self.advantages), move(self.ref_logprobs),
-                          list(self.lengths), move(self.pixel_values), move(self.image_grid_thw),
-                          move(self.image_mask), move(self.cu_seqlens))
+        return dataclasses.replace(self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)},
+                                   lengths=list(self.lengths))
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,15 @@ def to_train_trajectory(traj: Trajectory, images: TrajectoryImages | None = None
 
 
 def micro_batch_of(trajectories: list[Trajectory], layout: BatchLayout = BatchLayout(),
-                   images: TrajectoryImages | None = None) -> MicroBatch:
-    """One micro-batch of rollout trajectories, in `layout` (packed by default)."""
-    return layout.micro_batch([to_train_trajectory(t, images) for t in trajectories])
+                   images: TrajectoryImages | None = None, device_time=None) -> MicroBatch:
+    """One micro-batch of rollout trajectories, in `layout` (packed by default). With
+    `device_time` (`emulation.trainer_time.TrainerDeviceTime`), each trajectory is trimmed for the
+    model and the micro-batch remembers the full lengths its modelled time is charged for."""
+    if device_time is None:
+        return layout.micro_batch([to_train_trajectory(t, images) for t in trajectories])
+    mb = layout.micro_batch([to_train_trajectory(device_time.trim(t), images) for t in trajectories])
+    mb.modelled_lengths = [len(t.token_ids) for t in trajectories]
+    return mb
 
 
 def empty_micro_batch(with_ref: bool) -> MicroBatch:

@@ -50,6 +50,7 @@ class StepFeed:
         me = mailbox.owner
         self.local_source: ArrivingSource | None = None
         self.images = local.images if local is not None else None
+        self.device_time = local.device_time if local is not None else None
         for rank in assignment.actor_ranks:
             n = self.counts[assignment.dp_rank(rank)]
             if rank == me:
@@ -73,7 +74,7 @@ class StepFeed:
         self._sent[dp] += 1
         for rank in self.assignment.dp_members(dp):
             if rank == self.mailbox.owner:
-                self.local_source.put(micro_batch_of(trajectories, self.layout, self.images))
+                self.local_source.put(micro_batch_of(trajectories, self.layout, self.images, self.device_time))
             else:
                 self.mailbox.post(rank, TrainMicroBatch(trajectories))
         if self.decoupled:

@@ -64,12 +64,13 @@ class TrainerWorker:
 
     def __init__(self, cfg: TrainerConfig, model_path: str, checkpoint_root: str, registry: GroupRegistry,
                  assignment: TrainerAssignment, job_group, colocated: ColocatedConfig | None = None,
-                 ref_release: str = "host", seed: int = 0):
+                 ref_release: str = "host", seed: int = 0, device_time=None):
         """`model_path`: the initial HF checkpoint (actor weights at start, reference weights
         always); `job_group`: a group over every rank of the job (reference log-probs travel
         on it, point to point); `ref_release`: "host" parks a released reference in host
         memory, "drop" frees it and reloads it from `model_path`; `seed`: Megatron's RNG tracker
-        (set before the first model this rank builds)."""
+        (set before the first model this rank builds); `device_time`: emulated device time for
+        the passes (`emulation.trainer_time.TrainerDeviceTime`, `cluster.device=emulated`)."""
         if ref_release not in REF_RELEASE:
             raise ValueError(f"ref_release must be one of {REF_RELEASE}, got {ref_release!r}")
         if assignment.layout != registry.layout:
@@ -83,6 +84,7 @@ class TrainerWorker:
         self.colocated_cfg = colocated or ColocatedConfig()
         self.ref_release = ref_release
         self.seed = seed
+        self.device_time = device_time
         self._megatron_ready = False
         self.model_cfg = model_config_from_checkpoint(model_path)
         self.model_cfg.check_tensor_parallel(len(registry.layout.home_tp_ranks(self.rank)))
@@ -141,7 +143,8 @@ class TrainerWorker:
     def _build_actor(self, load_weights: bool) -> None:
         self._ensure_megatron()
         groups = self.registry.actor_groups(self.assignment.actor_blocks)
-        self.actor = MegatronActor(self.model_cfg, self.cfg, self.model_path if load_weights else None, groups)
+        self.actor = MegatronActor(self.model_cfg, self.cfg, self.model_path if load_weights else None, groups,
+                                   device_time=self.device_time)
         # Parked = dropped: the other DP replicas hold the same weights and optimizer state.
         self._actor_parking = ModelOffloader(self.actor.model, OffloadConfig(optimizer_state=True, keep_host_copy=False),
                                              optimizer=self.actor.optimizer)
@@ -154,7 +157,8 @@ class TrainerWorker:
         if self.ref is None:
             self._ensure_megatron()
             self.ref = ReferenceModel(self.model_cfg, self.model_path, bf16=self.cfg.bf16,
-                                      groups=self.registry.model_groups(), layer_spec=self.cfg.layer_spec)
+                                      groups=self.registry.model_groups(), layer_spec=self.cfg.layer_spec,
+                                      device_time=self.device_time)
             # One offloader parks the reference, for role changes and colocated swaps alike.
             self._ref_parking = ModelOffloader(self.ref.model, OffloadConfig(grads=False))
             self._ref_on_host = True
@@ -398,12 +402,12 @@ class TrainerWorker:
         if isinstance(msg, OpenStep):
             self._sources = {0: self.begin_step(msg.num_micro_batches)}
         elif isinstance(msg, TrainMicroBatch):
-            self._sources[0].put(micro_batch_of(msg.trajectories, layout, self.images))
+            self._sources[0].put(micro_batch_of(msg.trajectories, layout, self.images, self.device_time))
             return
         elif isinstance(msg, OpenRefStep):
             self._sources = self.begin_ref_step(msg.num_micro_batches)
         elif isinstance(msg, RefMicroBatch):
-            self._sources[msg.dp].put(micro_batch_of(msg.trajectories, layout, self.images))
+            self._sources[msg.dp].put(micro_batch_of(msg.trajectories, layout, self.images, self.device_time))
             return
         elif isinstance(msg, (SetRoles, Stop)):
             self._resume.clear()  # what follows may be the rollout loop's to read

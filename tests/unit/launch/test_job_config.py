@@ -38,7 +38,8 @@ def test_no_recipe_is_the_tiny_cpu_run(compose_job):
     assert job.run.output_dir == "outputs/tiny_cpu"  # interpolation resolved
 
 
-@pytest.mark.parametrize("recipe,world", [("tiny_cpu", 2), ("webshop_qwen2_5_7b", 32), ("osworld_qwen3vl", 32)])
+@pytest.mark.parametrize("recipe,world", [("tiny_cpu", 2), ("webshop_qwen2_5_7b", 32), ("osworld_qwen3vl", 32),
+                                          ("text_emulated", 32)])
 def test_recipes_compose_and_validate(compose_job, recipe, world):
     from tide_megatron.job_plan import plan_job
 
