@@ -360,7 +360,7 @@ class EmulatedEngine:
             if batch and new > budget:
                 break
             need = self._pool.room_for(req.hashes, req.tokens() + 1, held)
-            if need and self._pool.evict(need) < need:
+            if need and self._pool.evict(need, keep=req.hashes) < need:
                 break  # SGLang's own KV check: it waits for room
             req.holding = self._pool.hold(req.hashes, req.tokens(), held)
             if req.session is not None:

@@ -17,17 +17,9 @@ Pure Python: the engine stand-in calls it on its own event loop, never from two 
 
 from __future__ import annotations
 
-import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
-
-
-@dataclass
-class _Page:
-    refs: int = 0
-    """Holders (running requests, open sessions) whose context includes this page."""
-    stamp: int = 0
-    """Last access, a global counter (LRU)."""
 
 
 @dataclass
@@ -48,14 +40,16 @@ class KVPool:
             raise ValueError(f"a KV pool of {capacity_tokens} tokens in pages of {page_tokens}: need at least one page")
         self.capacity = capacity_tokens
         self.page = page_tokens
-        self._pages: dict[int, _Page] = {}
+        self._refs: dict[int, int] = {}
+        """Every page in the pool: its holders (running requests, open sessions)."""
+        self._free: OrderedDict[int, None] = OrderedDict()
+        """The pages no one holds, least recently released first (the eviction order)."""
         self._private = 0
-        self._clock = itertools.count(1)
 
     # -- state -----------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return len(self._pages) * self.page + self._private
+        return len(self._refs) * self.page + self._private
 
     @property
     def available(self) -> int:
@@ -63,11 +57,11 @@ class KVPool:
 
     @property
     def evictable(self) -> int:
-        return sum(self.page for p in self._pages.values() if p.refs == 0)
+        return len(self._free) * self.page
 
     @property
     def protected(self) -> int:
-        return sum(self.page for p in self._pages.values() if p.refs > 0)
+        return (len(self._refs) - len(self._free)) * self.page
 
     def hashes(self, tokens: Sequence[int], start_hashes: Sequence[int] = ()) -> list[int]:
         """Chained page hashes of `tokens`' full pages; `start_hashes` are those of a prefix
@@ -83,7 +77,7 @@ class KVPool:
         """Tokens of the longest cached prefix of a context with these page hashes."""
         n = 0
         for h in hashes:
-            if h not in self._pages:
+            if h not in self._refs:
                 break
             n += 1
         return n * self.page
@@ -93,20 +87,18 @@ class KVPool:
         """Tokens the pool must still free for a holder to hold a context of `tokens` tokens
         with these page hashes (0: it fits now); counts what `held` already holds."""
         have = set(held.pages) if held else set()
-        new_pages = sum(1 for h in hashes if h not in self._pages and h not in have)
+        new_pages = sum(1 for h in hashes if h not in self._refs and h not in have)
         need = new_pages * self.page + (tokens - len(hashes) * self.page) - (held.private if held else 0)
         return max(0, need - self.available)
 
     def hold(self, hashes: Sequence[int], tokens: int, held: Holding | None = None) -> Holding:
         """Hold a context of `tokens` tokens (pages `hashes` plus a private tail), releasing what
         `held` held before (a holder that grew). The caller made room (`room_for`, `evict`)."""
-        stamp = next(self._clock)
         for h in hashes:
-            page = self._pages.get(h)
-            if page is None:
-                page = self._pages[h] = _Page()
-            page.refs += 1
-            page.stamp = stamp
+            refs = self._refs.get(h, 0)
+            if refs == 0:
+                self._free.pop(h, None)
+            self._refs[h] = refs + 1
         out = Holding(list(hashes), tokens - len(hashes) * self.page)
         self._private += out.private
         if held is not None:
@@ -121,10 +113,13 @@ class KVPool:
     def release(self, holding: Holding) -> None:
         """The holder is done: its pages stay cached (evictable once no one holds them), its
         private tokens are freed."""
-        for h in holding.pages:
-            page = self._pages.get(h)
-            if page is not None:  # gone with a flush
-                page.refs -= 1
+        for h in reversed(holding.pages):  # a context's tail goes before its prefix (SGLang's leaves first)
+            refs = self._refs.get(h)
+            if refs is None:  # gone with a flush
+                continue
+            self._refs[h] = refs - 1
+            if refs == 1:
+                self._free[h] = None
         self._private -= holding.private
         holding.pages, holding.private = [], 0
 
@@ -132,28 +127,36 @@ class KVPool:
         """Free these pages now where no one holds them (what SGLang frees on release instead
         of caching)."""
         for h in hashes:
-            page = self._pages.get(h)
-            if page is not None and page.refs == 0:
-                del self._pages[h]
+            if h in self._free:
+                del self._free[h]
+                del self._refs[h]
 
-    def evict(self, tokens: int) -> int:
-        """Free at least `tokens` tokens of unheld pages, least recently used first; returns
-        the tokens freed (less when not enough is evictable)."""
-        if tokens <= 0:
-            return 0
-        free = sorted((p.stamp, h) for h, p in self._pages.items() if p.refs == 0)
+    def evict(self, tokens: int, keep: Sequence[int] = ()) -> int:
+        """Free at least `tokens` tokens of unheld pages, least recently released first, never
+        those in `keep` (the prefix a request is about to hold: SGLang locks it before it makes
+        room); returns the tokens freed (less when not enough is evictable)."""
         freed = 0
-        for _stamp, h in free:
+        if not keep:
+            while freed < tokens and self._free:
+                h, _ = self._free.popitem(last=False)
+                del self._refs[h]
+                freed += self.page
+            return freed
+        keep = set(keep)
+        for h in list(self._free):
             if freed >= tokens:
                 break
-            del self._pages[h]
-            freed += self.page
+            if h not in keep:
+                del self._free[h]
+                del self._refs[h]
+                freed += self.page
         return freed
 
     def flush(self) -> None:
         """Drop every cached page (new weights make them stale); held pages must be released
         first (the engine flushes only with no request running and no session open)."""
-        held = sum(p.refs for p in self._pages.values())
+        held = len(self._refs) - len(self._free)
         if held or self._private:
-            raise RuntimeError(f"flush with {held} page refs and {self._private} private tokens still held")
-        self._pages.clear()
+            raise RuntimeError(f"flush with {held} held pages and {self._private} private tokens still held")
+        self._refs.clear()
+        self._free.clear()

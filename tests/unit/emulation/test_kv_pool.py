@@ -33,6 +33,7 @@ def test_held_pages_are_never_evicted_and_lru_goes_first():
     pool.release(new)
     assert pool.evict(4) == 4
     assert pool.match(pool.hashes([1, 1, 1, 1])) == 0 and pool.match(pool.hashes([2, 2, 2, 2])) == 4
+    assert pool.evict(4, keep=pool.hashes([2, 2, 2, 2])) == 0  # the prefix about to be held stays
     assert pool.evict(100) == 4  # only the unheld page; the held one stays
     assert pool.match(pool.hashes([3, 3, 3, 3])) == 4 and pool.used == 4
     with pytest.raises(RuntimeError, match="still held"):
