@@ -150,8 +150,9 @@ class ClusterConfig:
     after the actor ranks. 0: the reference always runs colocated with the actor."""
     device: str = "real"
     """`real`: engines and trainers run on the configured devices. `emulated`: every rank runs
-    its real code, and device work takes the simulator's cost-model time instead (rollout
-    engines so far: `emulation/engine.py`; the trainer still trains the checkpoint for real)."""
+    its real code, and device work takes the simulator's cost-model time instead: engine
+    stand-ins (`emulation/engine.py`), trainer passes over trimmed trajectories charged for the
+    whole ones (`emulation/trainer_time.py`); see docs/emulation.md."""
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
     """The emulated device (`device=emulated`)."""
 
