@@ -443,12 +443,19 @@ class RefMicroBatch(Message):
 @dataclass
 class SetRoles(Message):
     """The trainer configuration from now on (`trainer.assignment.TrainerAssignment`, whose
-    layout every rank knows); answer `RolesDone`. A rollout rank reading it joins the trainer."""
+    layout every rank knows), and the one it replaces; answer `RolesDone`. A rollout rank reading
+    it joins the trainer."""
 
     KIND: ClassVar[str] = "roles"
     actor_blocks: int
     ref_ranks: list[int]
     actors_hold_ref: bool
+    was_actor_blocks: int
+    """The configuration it replaces: every rank plans the same transition from it (which
+    current actor sends a joining rank its state). A rank that rolled out while the trainer
+    changed without it was not told of those changes."""
+    was_ref_ranks: list[int]
+    was_actors_hold_ref: bool
 
 
 @dataclass

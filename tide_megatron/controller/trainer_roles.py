@@ -306,7 +306,7 @@ class TrainerRoles:
                               ROLES_TIMEOUT_S, f"rank(s) {joining} to drop their rollout tasks")
         drain_s = time.perf_counter() - started
         affected = sorted(before | after)
-        post_roles(self.mailbox, new, affected)
+        post_roles(self.mailbox, old, new, affected)
         for r in leaving:  # before the sync: they receive its weights
             self.rollout.call(lambda r=r: self.rollout.return_to_rollout(r))
         mine = self.worker.apply(new)

@@ -68,14 +68,31 @@ class TrainerAssignment:
         reference, so a step may run colocated or, with reference ranks, decoupled."""
         return cls(layout, layout.actor_blocks_of(trainer_ranks), tuple(ref_ranks), actors_hold_ref=True)
 
-    def to_message(self) -> SetRoles:
-        """The control message that announces this assignment (the layout is known to every rank)."""
-        return SetRoles(self.actor_blocks, list(self.ref_ranks), self.actors_hold_ref)
+    def to_message(self, previous: "TrainerAssignment") -> SetRoles:
+        """The control message that announces this assignment, replacing `previous` (the layout is
+        known to every rank)."""
+        return SetRoles(self.actor_blocks, list(self.ref_ranks), self.actors_hold_ref,
+                        previous.actor_blocks, list(previous.ref_ranks), previous.actors_hold_ref)
 
     @classmethod
     def from_message(cls, layout: GroupLayout, msg: SetRoles) -> "TrainerAssignment":
+        """The configuration `msg` announces."""
         return cls(layout, int(msg.actor_blocks), tuple(int(r) for r in msg.ref_ranks),
                    actors_hold_ref=bool(msg.actors_hold_ref))
+
+    @classmethod
+    def replaced_by(cls, layout: GroupLayout, msg: SetRoles) -> "TrainerAssignment":
+        """The configuration `msg` replaces."""
+        return cls(layout, int(msg.was_actor_blocks), tuple(int(r) for r in msg.was_ref_ranks),
+                   actors_hold_ref=bool(msg.was_actors_hold_ref))
+
+    def catch_up(self, current: "TrainerAssignment", rank: int) -> "TrainerAssignment":
+        """`current` for a rank whose view is this one: a rank that rolled out while the trainer
+        changed without it missed those changes, all of which left its own role as it was."""
+        if current != self and current.role_of(rank) is not self.role_of(rank):
+            raise RuntimeError(f"rank {rank} is {self.role_of(rank).name} in its own view of the trainer but "
+                               f"{current.role_of(rank).name} in rank 0's: a role change reached it out of order")
+        return current
 
     @property
     def modes(self) -> frozenset[str]:

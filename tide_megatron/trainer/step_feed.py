@@ -90,9 +90,9 @@ class StepFeed:
         return out
 
 
-def post_roles(mailbox: Mailbox, new: TrainerAssignment, ranks) -> None:
+def post_roles(mailbox: Mailbox, old: TrainerAssignment, new: TrainerAssignment, ranks) -> None:
     """Tell `ranks` (every rank but the poster, which calls `TrainerWorker.apply` itself) the
-    new trainer configuration. Each affected rank answers `RolesDone`."""
+    new trainer configuration and the one it replaces. Each affected rank answers `RolesDone`."""
     for rank in ranks:
         if rank != mailbox.owner:
-            mailbox.post(rank, new.to_message())
+            mailbox.post(rank, new.to_message(old))

@@ -359,8 +359,15 @@ class TrainerWorker:
         mailbox.post(CONTROLLER, RefDone(report.as_dict(), dict(self.meter.values)))
         return None
 
+    def set_roles(self, msg: SetRoles) -> dict[str, float]:
+        """`apply` the configuration rank 0 announced, planned from the one it replaces (this rank
+        may have rolled out through changes it took no part in)."""
+        layout = self.registry.layout
+        self.assignment = self.assignment.catch_up(TrainerAssignment.replaced_by(layout, msg), self.rank)
+        return self.apply(TrainerAssignment.from_message(layout, msg))
+
     def _on_roles(self, msg: SetRoles, sources, mailbox: Mailbox) -> str | None:
-        times = self.apply(TrainerAssignment.from_message(self.registry.layout, msg))
+        times = self.set_roles(msg)
         mailbox.post(CONTROLLER, RolesDone(self.role.value, times))
         return "rollout" if self.role is Role.ROLLOUT else None
 

@@ -110,7 +110,7 @@ def change_roles(worker, mailbox, new, world: int) -> dict:
     from tide_megatron.comm.messages import RolesDone
     from tide_megatron.trainer.step_feed import post_roles
 
-    post_roles(mailbox, new, range(world))
+    post_roles(mailbox, worker.assignment, new, range(world))
     times = {0: worker.apply(new)}
     times.update({r: m.times for r, m in _wait(mailbox, RolesDone, range(1, world)).items()})
     return times
@@ -119,7 +119,6 @@ def change_roles(worker, mailbox, new, world: int) -> dict:
 def serve_until_stopped(worker, mailbox) -> list[dict]:
     """A rank other than 0: trainer loop, and the rollout stand-in while it is ROLLOUT."""
     from tide_megatron.comm.messages import RolesDone, SetRoles, Stop
-    from tide_megatron.trainer.assignment import TrainerAssignment
 
     transitions = []
     while worker.serve(mailbox) is not None:  # made ROLLOUT: wait for the way back
@@ -133,7 +132,7 @@ def serve_until_stopped(worker, mailbox) -> list[dict]:
                 return transitions
             if not isinstance(msg, SetRoles):
                 raise RuntimeError(f"a rollout stand-in got {type(msg).__name__}")
-            times = worker.apply(TrainerAssignment.from_message(worker.registry.layout, msg))
+            times = worker.set_roles(msg)
             transitions.append(times)
             mailbox.post(0, RolesDone(worker.role.value, times))
             if worker.role.value != "rollout":

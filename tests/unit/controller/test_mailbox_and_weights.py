@@ -77,12 +77,12 @@ def test_trainer_messages_round_trip_with_typed_fields():
     rank0.post(1, OpenRefStep({0: 2, 3: 1}))
     rank0.post(1, RefMicroBatch(3, [traj]))
     rank0.post(1, TrainMicroBatch([traj, traj]))
-    rank0.post(1, SetRoles(2, [4, 5], False))
+    rank0.post(1, SetRoles(2, [4, 5], False, 3, [], True))
     opened, ref_mb, mb, roles = rank1.poll()
     assert opened.num_micro_batches == {0: 2, 3: 1}  # int keys again after JSON's strings
     assert ref_mb.dp == 3 and ref_mb.trajectories == [traj] and mb.trajectories == [traj, traj]
     assert mb.trajectories[0].advantage == 0.5 and mb.trajectories[0].trajectory_id == "g1/3"
-    assert roles == SetRoles(2, [4, 5], False) and roles.src == 0
+    assert roles == SetRoles(2, [4, 5], False, 3, [], True) and roles.src == 0
     rank1.post(0, RankReady(EngineFacts(kv_tokens=1024, request_rows=8, use_sessions=True), pid=7))
     (ready,) = rank0.poll()
     assert ready.engine == EngineFacts(kv_tokens=1024, request_rows=8, use_sessions=True) and ready.pid == 7

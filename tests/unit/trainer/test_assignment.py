@@ -19,7 +19,9 @@ def test_from_roles_tp2_dp2_with_a_tp1_reference():
     layout = GroupLayout(5, 2)
     a = TrainerAssignment.from_roles(layout, {0: A, 1: A, 2: A, 3: A, 4: REF})
     assert a.dp_size == 2 and not a.actors_hold_ref and a.ref_ranks == (4,) and a.modes == {"decoupled"}
-    assert TrainerAssignment.from_message(layout, a.to_message()) == a
+    before = TrainerAssignment.at_startup(layout, range(4), ())
+    msg = a.to_message(before)
+    assert TrainerAssignment.from_message(layout, msg) == a and TrainerAssignment.replaced_by(layout, msg) == before
     assert [a.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
     assert a.dp_members(1) == (2, 3)
     # One TP=1 reference rank sends to every TP rank of both actor blocks.
@@ -101,3 +103,24 @@ def test_every_joiner_gets_one_source_in_its_new_dp_group(tp, k_old, k_new):
         assert sent[j.rank] == 1 and t[src].actor == "keep"
         assert {src, j.rank} <= set(layout.dp_ranks(k_new, layout.tp_position(j.rank)))
     assert sum(sent.values()) == len(joiners)
+
+
+def test_a_rank_that_rolled_out_through_earlier_changes_plans_the_same_transfer_as_its_sender():
+    """Found by a 32-rank emulated run (`cluster.device=emulated`): the trainer went from 16
+    actors to 12 actors and 4 reference ranks while rank 16 rolled out (it was not told: the
+    change did not involve it); then rank 16 joined the actors. Planned from its own view (16
+    actors) it waited for rank 0's state, while rank 4 (12 actors) sent it its state: both
+    waited forever. Planned from the configuration the message replaces, both agree."""
+    layout = GroupLayout(32, 1)
+    at_start = TrainerAssignment.at_startup(layout, range(16), ())  # what rank 16 last heard
+    current = TrainerAssignment(layout, 12, ref_ranks=(12, 13, 14, 15), actors_hold_ref=False)
+    joined = TrainerAssignment(layout, 17, actors_hold_ref=True)
+    msg = joined.to_message(current)
+    senders = plan_transition(current, joined)
+    assert senders[4].state_targets == (16,)
+    assert plan_transition(at_start, joined)[16].state_source == 0  # the stale plan: a transfer no one sends
+    caught_up = at_start.catch_up(TrainerAssignment.replaced_by(layout, msg), 16)
+    assert plan_transition(caught_up, TrainerAssignment.from_message(layout, msg))[16].state_source == 4
+    # A view that disagrees about the rank's own role is not caught up silently.
+    with pytest.raises(RuntimeError, match="out of order"):
+        at_start.catch_up(current, 12)
