@@ -5,7 +5,6 @@ the whole module."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
