@@ -6,6 +6,31 @@ connected to an env server that serves `door_game`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+
+
+@contextlib.contextmanager
+def door_game_stack(root, make_engine):
+    """(engine, chat format, env client) for the checks: a tiny checkpoint under `root`, an env
+    server serving `door_game`, and `make_engine(checkpoint)`'s engine, shut down at the end."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tide_megatron.envs.client import EnvClient
+    from tide_megatron.envs.config import EnvConfig, EnvServerConfig
+    from tide_megatron.envs.server_process import EnvServerProcess
+    from tide_megatron.models.config import ModelConfig
+    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
+    from tide_megatron.rollout.worker import build_chat
+    from tide_megatron.tokenizer import write_tokenizer
+
+    tok = write_tokenizer(str(root / "tok"), kind="tiny_bpe")
+    ckpt = write_random_hf_checkpoint(str(root / "hf"), ModelConfig(vocab_size=3072), seed=0, tokenizer_dir=tok)
+    with EnvServerProcess(EnvServerConfig(envs=[EnvConfig(name="door_game")])) as server:
+        engine = make_engine(ckpt)
+        try:
+            yield engine, build_chat(ckpt, None), EnvClient(server.client_config())
+        finally:
+            engine.shutdown()
 
 
 def _run(engine, coro):

@@ -4,7 +4,6 @@ SGLang's granularity (one token per page) so that cache hits compare exactly."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -15,30 +14,15 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tide_megatron.emulation.config import EmulationConfig
     from tide_megatron.emulation.engine import EmulatedEngine
-    from tide_megatron.envs.client import EnvClient
-    from tide_megatron.envs.config import EnvConfig, EnvServerConfig
-    from tide_megatron.envs.server_process import EnvServerProcess
-    from tide_megatron.models.config import ModelConfig
-    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
     from tide_megatron.rollout.config import RolloutEngineConfig
-    from tide_megatron.rollout.worker import build_chat
     from tide_megatron.sim.loader import load_hardware_model
-    from tide_megatron.tokenizer import write_tokenizer
 
-    root = tmp_path_factory.mktemp("ctb_emulated")
-    tok = write_tokenizer(str(root / "tok"), kind="tiny_bpe")
-    ckpt = write_random_hf_checkpoint(str(root / "hf"), ModelConfig(vocab_size=3072), seed=0, tokenizer_dir=tok)
-    with EnvServerProcess(EnvServerConfig(envs=[EnvConfig(name="door_game")])) as server:
-        engine = EmulatedEngine(RolloutEngineConfig(max_total_tokens=2048, max_running_requests=32),
-                                EmulationConfig(page_tokens=1, gen_tokens=[6, 0.5]),
-                                load_hardware_model("h100_sxm", "qwen2_5_7b"))
-        try:
-            yield engine, build_chat(ckpt, None), EnvClient(server.client_config())
-        finally:
-            engine.shutdown()
+    with ctb_contract.door_game_stack(tmp_path_factory.mktemp("ctb_emulated"), lambda _ckpt: EmulatedEngine(
+            RolloutEngineConfig(max_total_tokens=2048, max_running_requests=32),
+            EmulationConfig(page_tokens=1, gen_tokens=[6, 0.5]), load_hardware_model("h100_sxm", "qwen2_5_7b"))) as out:
+        yield out
 
 
 @pytest.mark.parametrize("check", ctb_contract.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
