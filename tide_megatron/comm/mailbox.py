@@ -39,6 +39,10 @@ class Mailbox:
         self._pending: list[int] = []  # reserved slots not read yet, in order (unwritten ones included)
         # The controller posts from its dispatch thread and its training thread.
         self._lock = threading.Lock()
+        self.posted = 0
+        """Messages this mailbox's owner has posted (to any rank)."""
+        self.received = 0
+        """Messages read from this mailbox."""
 
     def _count_key(self, dest: int) -> str:
         return f"{self._prefix}/{dest}/n"
@@ -52,6 +56,7 @@ class Mailbox:
         with self._lock:
             slot = self._store.add(self._count_key(dest), 1) - 1
             self._store.set(f"{self._prefix}/{dest}/{slot}", body)
+            self.posted += 1
 
     def poll(self, limit: int = 1 << 30) -> list[Message]:
         """Read the messages posted to this owner since the last poll, in order."""
@@ -92,3 +97,4 @@ class Mailbox:
         data = json.loads(self._store.get(key))
         out.append(decode(data))
         self._store.delete_key(key)
+        self.received += 1

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import (CancelTask, PauseTask, ReleaseCarry, ResumeTask, RunTask, TaskAssignment,
                                          TurnEvent)
+from tide_megatron.controller.control_meter import DecisionTimer
 from tide_megatron.core.ctb import Admit, GroupCancelled
 from tide_megatron.core.ctb_deadline import TrainerClock
 from tide_megatron.rollout.ctb_carrier import TagFields
@@ -74,6 +76,8 @@ class CTBPlacement:
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when CTB admits a group's first task (its admission, for staleness)."""
         self._started_groups: set[str] = set()
+        self.decision_times = DecisionTimer()
+        """How long each placement pass that decided something took (`control_meter.py`)."""
 
     @property
     def stats(self) -> dict[str, int]:
@@ -86,8 +90,11 @@ class CTBPlacement:
     def dispatch(self, now: float, unconsumed_trajectories: int = 0,
                  clock: Optional[TrainerClock] = None) -> list[str]:
         """One CTB pass; returns the groups it cancelled (past their staleness deadline)."""
-        cancelled = []
-        for d in self.dispatcher.schedule(now, unconsumed_trajectories, clock=clock):
+        cancelled, t0 = [], time.perf_counter()
+        decisions = self.dispatcher.schedule(now, unconsumed_trajectories, clock=clock)
+        if decisions:
+            self.decision_times.record(time.perf_counter() - t0)
+        for d in decisions:
             if isinstance(d, GroupCancelled):
                 cancelled.append(str(d.group_id))
             elif isinstance(d, Admit):

@@ -39,6 +39,7 @@ from tide_megatron.comm.weight_sync import WeightSender
 from tide_megatron.comm.topology import Topology
 from tide_megatron.config import JobConfig
 from tide_megatron.controller import run_state
+from tide_megatron.controller.control_meter import ControlMeter
 from tide_megatron.controller.health import RolloutHealth
 from tide_megatron.controller.modes import mode_policy
 from tide_megatron.controller.placement import RequestPlacement
@@ -122,6 +123,7 @@ class Controller:
                                   rollout=self.rollout, min_rollout_ranks=sched.min_rollout_ranks,
                                   time_share=self.mode.time_shared)
         self._ers_since = time.perf_counter()  # where the window ERS's next plan reads begins
+        self.control = ControlMeter(mailbox, self.rollout.placement.decision_times, self.roles.plan_times)
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
         self.unstopped: list[str] = []
         """Rollout ranks that did not answer `Stop` in time, one line each (see the docstring)."""
@@ -145,6 +147,7 @@ class Controller:
             # weight load are the run's time, not a head start for the modes that move ranks.
             self.log.start_run()
             self._run_started = time.monotonic()
+            self.control.start(self.rollout)  # step 1's figures leave the engines' start-up out
             # ERS's first window opens with rollout too: groups and decode of that time belong to
             # it. Opened later, it missed the first groups' decode (read as none).
             self._open_ers_window()
@@ -241,7 +244,7 @@ class Controller:
         self.log.step(self.step, self.version, outcome, ras=ras, hol=hol, readiness=readiness,
                       twt_s=twt + outcome.arrival_wait_s + eval_wait_s, train_s=train_s, sync_s=sync_s,
                       checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t0,
-                      extra={**loan_end, **ers, **self.weights.metrics()})
+                      extra={**loan_end, **ers, **self.weights.metrics(), **self.control.step_metrics()})
         if ers and self.mode.time_shared:  # lent until the next batch is complete: shown from here
             self.log.roles_moved()          # (after this step's record, which books its own roles)
 

@@ -15,11 +15,13 @@ Single-threaded: only the rollout service thread calls it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import CancelTask, RunTask, TaskAssignment
+from tide_megatron.controller.control_meter import DecisionTimer
 from tide_megatron.core.request_placement import LeastLoadedPlacer
 
 
@@ -41,6 +43,8 @@ class RequestPlacement:
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when a group's first task is sent to a rank (its admission, for staleness)."""
         self.stats = {"dispatched": 0}
+        self.decision_times = DecisionTimer()
+        """How long each placement pass that posted a task took (`control_meter.py`)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -62,7 +66,10 @@ class RequestPlacement:
         """Post queued tasks while some rank has room; a group stays on its first rank.
         Returns the groups it cancelled: none (request level has no deadlines)."""
         del now, unconsumed_trajectories, clock  # request level: no readiness input
+        t0, before = time.perf_counter(), self.stats["dispatched"]
         self._post_queued()
+        if self.stats["dispatched"] > before:
+            self.decision_times.record(time.perf_counter() - t0)
         return []
 
     def _post_queued(self) -> None:

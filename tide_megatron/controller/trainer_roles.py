@@ -68,6 +68,7 @@ from typing import Optional
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import RolesDone
 from tide_megatron.comm.topology import Topology
+from tide_megatron.controller.control_meter import DecisionTimer
 from tide_megatron.controller.modes import moves_ranks, time_shared
 from tide_megatron.core.ers import ERSConfig, ERSController, ERSMeasurements
 from tide_megatron.core.roles import RA2PMode, Role, RolePlan
@@ -123,6 +124,8 @@ class TrainerRoles:
         self.changes = 0
         self.moves = 0
         self._on_loan = False  # lent (at cold start, or time sharing's every step), and not yet back
+        self.plan_times = DecisionTimer()
+        """How long each ERS plan took (`control_meter.py`)."""
         self.rollout_resized = False
         """The rollout ranks changed since the last plan, with work in flight: ERS's window then
         mixes two splits: ERS reads the trainer's rate only and holds the split
@@ -259,8 +262,10 @@ class TrainerRoles:
         if self.time_share:
             return self._lend_for_rollout(step, f"time sharing: step {step + 1}'s rollout")
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
+        t0 = time.perf_counter()
         plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p,
                                                                   correction=correction)
+        self.plan_times.record(time.perf_counter() - t0)
         self.rollout_resized = False  # read into `m`; the next window starts with this plan's moves
         # what ERS read and concluded (rates, shares, decode slowdown, target split), for the
         # logs; `ers/reason` says why, also when the split is held

@@ -1,0 +1,92 @@
+"""Rank 0's control-plane figures (`control/*`): messages counted once each, thread CPU time
+read from the thread that spent it, and placement latencies booked only for passes that decided
+something."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tide_megatron.comm.mailbox import Mailbox
+from tide_megatron.comm.messages import Stop, TaskAssignment
+from tide_megatron.config import JobConfig
+from tide_megatron.controller.ctb_placement import CTBPlacement
+from tide_megatron.controller.control_meter import ControlMeter, DecisionTimer, quantile
+from tide_megatron.controller.placement import RequestPlacement
+
+
+
+def _group(gid: str, n: int = 2):
+    task = {"env": "door_game", "task_id": f"train/{gid}", "task_type": "door_game/rooms2", "split": "train"}
+    return [TaskAssignment(task=task, group_id=gid, index=i) for i in range(n)]
+
+
+@given(st.lists(st.floats(0, 1e3), min_size=1, max_size=200), st.floats(0.01, 1.0))
+def test_quantile_is_a_value_with_at_least_that_share_at_or_below_it(xs, q):
+    xs = sorted(xs)
+    v = quantile(xs, q)
+    assert v in xs
+    assert sum(x <= v for x in xs) >= q * len(xs)
+    assert sum(x < v for x in xs) < q * len(xs)
+
+
+def test_messages_sent_and_read_are_counted_per_step():
+    store = dist.HashStore()
+    rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
+    meter = ControlMeter(rank0, DecisionTimer(), DecisionTimer())
+    for _ in range(3):
+        rank0.post(1, Stop())
+    rank1.post(0, Stop())
+    assert len(rank0.poll()) == 1
+    first = meter.step_metrics()
+    assert (first["control/messages_sent"], first["control/messages_received"]) == (3, 1)
+    second = meter.step_metrics()
+    assert (second["control/messages_sent"], second["control/messages_received"]) == (0, 0)
+
+
+def test_the_rollout_threads_cpu_time_is_its_own():
+    go, burnt, release = threading.Event(), threading.Event(), threading.Event()
+
+    def burn():
+        go.wait(10)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+        burnt.set()
+        release.wait(10)  # alive until read: a finished thread's clock is gone
+
+    meter = ControlMeter(Mailbox(dist.HashStore(), 0), DecisionTimer(), DecisionTimer())
+    thread = threading.Thread(target=burn)
+    thread.start()
+    meter.start(thread)
+    go.set()
+    assert burnt.wait(10)
+    metrics = meter.step_metrics()
+    release.set()
+    thread.join()
+    assert metrics["control/cpu_rollout_thread_s"] >= 0.05
+    assert metrics["control/cpu_process_s"] >= metrics["control/cpu_rollout_thread_s"]
+    assert metrics["control/cpu_main_thread_s"] < metrics["control/cpu_rollout_thread_s"]
+
+
+def test_only_placement_passes_that_decide_are_timed():
+    cfg = JobConfig()
+    cfg.rollout.engine.max_total_tokens = 4000
+    ctb = CTBPlacement(cfg, Mailbox(dist.HashStore(), 0), [1, 2])
+    ctb.dispatch(0.0, unconsumed_trajectories=0)  # nothing queued
+    assert ctb.decision_times.take() == []
+    ctb.submit(_group("g0"))
+    ctb.dispatch(0.1, unconsumed_trajectories=0)  # admits the probe
+    assert len(ctb.decision_times.take()) == 1
+
+    store = dist.HashStore()
+    request = RequestPlacement(Mailbox(store, 0), [1, 2], max_tasks_per_rank=4)
+    request.dispatch(0.0)
+    assert request.decision_times.take() == []
+    request.submit(_group("g1"))
+    request.dispatch(0.1)
+    assert len(request.decision_times.take()) == 1
