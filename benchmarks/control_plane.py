@@ -1,0 +1,123 @@
+"""What the real control plane costs rank 0 as the job grows: 8, 16, 32 ranks on emulated devices.
+
+Each size runs the paper's text workload (`recipes/recipe/text_emulated.yaml`: TIDE with CTB,
+RA2P and ERS; the real controller, mailbox, process groups and weight-sync protocol; device work
+from the simulator's cost model) with the batch scaled to the ranks (`--groups-per-rank` groups
+of 8 per rank and step; the paper's 64 x 8 at 32 ranks is 2), so that every rank carries the same
+load and only the number of ranks grows. Per step, rank 0 records (`control/*` metrics,
+`tide_megatron/controller/control_meter.py`): its CPU time (the whole process; the rollout
+service's thread, which is the control plane proper; the step loop's thread), the messages it sent
+and read, and the latency of its placement passes and ERS plans.
+
+Reported per size: those figures per step, their growth with ranks (the log-log slope from the
+smallest size to the largest: 1 is linear), and the control plane's CPU time as a share of the
+modelled step (the mean step time / dilation: a 7B step on H100s). Every rank shares this host's
+cores: `--dilations` slows the modelled devices so that the host keeps up (its busy share is
+recorded); CPU time is not dilated, but heartbeats are per wall second, so a larger dilation
+books more of them per step.
+
+    python benchmarks/control_plane.py                       # 8, 16, 32 ranks, dilation 1, 2, 4
+    python benchmarks/control_plane.py --ranks 8 --dilations 1 --steps 2   # a quick look
+
+Not covered here: 64 and 128 ranks (a rank costs 280-380 MB here, so 64 do not fit this
+24 GiB host beside the rest); `benchmarks/decision_latency.py` times the same placement and ERS
+decisions in one process up to 128 ranks. Writes benchmarks/results/control_plane.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+
+import bench_record
+from emulated_runs import modelled, run_emulated
+
+PER_STEP = ("control/cpu_process_s", "control/cpu_rollout_thread_s", "control/cpu_main_thread_s",
+            "control/messages_sent", "control/messages_received", "control/placement_passes")
+
+
+def figures(rows: list[dict], dilation: float) -> dict:
+    """Per-step means of rank 0's control figures, the placement latency (median of the steps'
+    p50s, worst p99), ERS plan latency over the steps that planned, and the shares of a step."""
+    out = {k.removeprefix("control/"): statistics.fmean(r[k] for r in rows) for k in PER_STEP}
+    out["messages_per_step"] = out["messages_sent"] + out["messages_received"]
+    passes = [r for r in rows if r["control/placement_passes"]]
+    out["placement_p50_ms"] = statistics.median(r["control/placement_p50_ms"] for r in passes) if passes else None
+    out["placement_p99_ms"] = max((r["control/placement_p99_ms"] for r in passes), default=None)
+    plans = sorted(r["control/ers_plan_ms"] for r in rows if r["control/ers_plan_ms"] > 0)
+    out["ers_plan_p50_ms"] = statistics.median(plans) if plans else None
+    out["ers_plan_max_ms"] = plans[-1] if plans else None
+    step_s = statistics.fmean(r["time/step_s"] for r in rows) / dilation  # the modelled step
+    out["modelled_step_s"] = step_s
+    out["rollout_thread_share_of_step"] = out["cpu_rollout_thread_s"] / step_s
+    out["process_share_of_step"] = out["cpu_process_s"] / step_s
+    return out
+
+
+def slope(xs: list[float], ys: list[float]) -> float | None:
+    """The log-log slope from the first point to the last (1: linear growth)."""
+    if len(xs) < 2 or ys[0] is None or ys[-1] is None or min(ys[0], ys[-1]) <= 0:
+        return None
+    return math.log(ys[-1] / ys[0]) / math.log(xs[-1] / xs[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="8,16,32")
+    parser.add_argument("--dilations", default="1,2,4", help="one per rank count")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--groups-per-rank", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.ranks.split(",")]
+    dilations = [float(x) for x in args.dilations.split(",")]
+    if len(dilations) != len(sizes):
+        parser.error(f"--dilations needs one value per rank count ({len(sizes)}), got {len(dilations)}")
+
+    results = []
+    for ranks, dilation in zip(sizes, dilations):
+        run = run_emulated(ranks, dilation, [f"run.steps={args.steps}",
+                                             f"scheduler.groups_per_step={args.groups_per_rank * ranks}",
+                                             *args.overrides], args.timeout)
+        record = {"ranks": ranks, "dilation": dilation, "command": run["command"],
+                  "process_wall_s": run["process_wall_s"], "failed": run["failed"]}
+        if run["failed"]:
+            record["error"] = run["error"]
+            print(f"{ranks} ranks: FAILED ({run['error'][-300:]})", flush=True)
+        else:
+            record.update(control=figures(run["rows"], dilation), run=modelled(run, dilation),
+                          per_step=[{k.removeprefix("control/"): r[k] for k in r if k.startswith("control/")}
+                                    for r in run["rows"]])
+            c = record["control"]
+            print(f"{ranks} ranks: rollout thread {c['cpu_rollout_thread_s']:.2f} s/step, "
+                  f"{c['messages_per_step']:.0f} messages/step, host busy {run['cpu_busy_share']}", flush=True)
+        results.append(record)
+
+    ok = [r for r in results if not r["failed"]]
+    keys = ("cpu_process_s", "cpu_rollout_thread_s", "messages_per_step", "placement_p50_ms", "placement_p99_ms",
+            "ers_plan_p50_ms")
+    growth = {k: slope([r["ranks"] for r in ok], [r["control"][k] for r in ok]) for k in keys}
+    print(f"\n{'ranks':>5}{'dil':>5}{'proc cpu s':>11}{'ro thr s':>9}{'msgs':>7}{'place p50':>10}{'p99 ms':>8}"
+          f"{'ers ms':>8}{'step s':>8}{'ro/step':>8}{'busy':>6}")
+    for r in ok:
+        c = r["control"]
+
+        def ms(v):
+            return "-" if v is None else f"{v:.2f}"
+        print(f"{r['ranks']:>5}{r['dilation']:>5g}{c['cpu_process_s']:>11.2f}{c['cpu_rollout_thread_s']:>9.2f}"
+              f"{c['messages_per_step']:>7.0f}{ms(c['placement_p50_ms']):>10}{ms(c['placement_p99_ms']):>8}"
+              f"{ms(c['ers_plan_p50_ms']):>8}{c['modelled_step_s']:>8.1f}{c['rollout_thread_share_of_step']:>8.3f}"
+              f"{r['run']['cpu_busy_share'] or 0:>6.2f}")
+    print("growth with ranks (log-log slope, 1 = linear):",
+          {k: None if v is None else round(v, 2) for k, v in growth.items()})
+    bench_record.write("control_plane", {**bench_record.header("control_plane", config=vars(args)),
+                                         "growth_log_log_slope": growth, "goal": "growth at most linear; "
+                                         "under 1% of a 7B step at 128 ranks", "sizes": results})
+    return 0 if len(ok) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""One run of the real system on emulated devices (`recipes/recipe/text_emulated.yaml`), for the
+paper-scale benchmarks (`paper_scale.py`, `control_plane.py`).
+
+A run is `launch/torchrun.py --nproc-per-node N launch/train.py +recipe=text_emulated ...` with
+`cluster.emulation.dilation` set; its figures are read back from `metrics.jsonl` and converted to
+the modelled device's time (wall time / dilation, throughput x dilation), next to the share of the
+host's cores that was busy while it trained (every rank shares them: a host near 100% busy makes
+the control plane, not the modelled devices, set the pace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cpu_busy import CpuBusySampler
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = "text_emulated"
+
+
+def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: float) -> dict:
+    """Run the emulated recipe on `ranks` processes; returns its per-step metrics (`rows`), the
+    process wall time, the host's busy share over the training window and over the process, and
+    on failure `failed` with the end of stderr."""
+    with tempfile.TemporaryDirectory(prefix="emulated_") as tmp:
+        args = [f"+recipe={RECIPE}", f"cluster.emulation.dilation={dilation}", "metrics.progress=false",
+                "metrics.tensorboard=false", "run.checkpoint_interval=0", *overrides]
+        cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(ranks),
+               str(REPO / "launch" / "train.py"), *args, f"run.output_dir={tmp}"]
+        started = time.time()
+        with CpuBusySampler() as cpu:
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+                error = None if proc.returncode == 0 else proc.stderr[-2000:]
+            except subprocess.TimeoutExpired:
+                error = f"timed out after {timeout_s:.0f} s"
+        out = {"command": " ".join(["python launch/torchrun.py --nproc-per-node", str(ranks), "launch/train.py", *args]),
+               "process_wall_s": round(time.time() - started, 1), "cpu_busy_share_process": cpu.busy_share()}
+        metrics = Path(tmp) / "metrics.jsonl"
+        if error is not None or not metrics.is_file():
+            return {**out, "failed": True, "error": error or "no metrics.jsonl"}
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if "eval/mean_reward" not in line]
+        timeline = Path(tmp) / "timeline.json"
+        window = (float("-inf"), float("inf"))
+        if timeline.is_file():
+            t = json.loads(timeline.read_text())
+            window = (t["origin_unix"], t["origin_unix"] + t["steps"][-1]["end"])
+        png = Path(tmp) / "timeline.png"
+        return {**out, "failed": False, "rows": rows, "cpu_busy_share": cpu.busy_share(*window),
+                "timeline_png": png.read_bytes() if png.is_file() else None}
+
+
+def modelled(run: dict, dilation: float) -> dict:
+    """A run's figures at the modelled device's speed: run goodput, mean step time, the waits,
+    the wasted share, ERS's moves, and the host's busy share beside them."""
+    rows = run["rows"]
+    last = rows[-1]
+    generated = last["ledger/generated"]
+    return {
+        "steps": len(rows),
+        "goodput_tok_s": last["run_goodput_tok_s"] * dilation,
+        "mean_step_s": statistics.fmean(r["time/step_s"] for r in rows) / dilation,
+        "rwt_plus_twt_s": sum(r["rwt_s"] + r["twt_s"] for r in rows) / dilation,
+        "wasted_share": last["ledger/wasted"] / generated if generated else 0.0,
+        "lost_tokens": last["ledger/lost"],
+        "consumed_tokens": sum(r["consumed_tokens"] for r in rows),
+        "rank_moves": int(max((r.get("ers/moves", 0) for r in rows), default=0)),
+        "ra2p_modes": [r.get("ra2p/mode") for r in rows],
+        "cpu_busy_share": run["cpu_busy_share"],
+    }
