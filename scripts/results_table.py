@@ -294,6 +294,31 @@ def trainer_throughput(r: dict) -> str:
     return "; ".join(parts)
 
 
+def control_plane(r: dict) -> str:
+    sizes = [s for s in r["sizes"] if not s["failed"]]
+    lo, hi = sizes[0], sizes[-1]
+    g = r["growth_log_log_slope"]
+    return (f"rank 0's rollout thread {lo['control']['cpu_rollout_thread_s']:.2f}->"
+            f"{hi['control']['cpu_rollout_thread_s']:.2f} CPU s/step at {lo['ranks']}->{hi['ranks']} ranks "
+            f"(slope {_num(g['cpu_rollout_thread_s'])}; messages slope {_num(g['messages_per_step'])}), "
+            f"{hi['control']['rollout_thread_share_of_step']:.1%} of the modelled step at {hi['ranks']}")
+
+
+def decision_latency(r: dict) -> str:
+    lo, hi, g = r["ctb"][0], r["ctb"][-1], r["growth_log_log_slope"]
+    return (f"CTB pass p50 {lo['pass_all_us']['p50']:.0f}->{hi['pass_all_us']['p50']:.0f} us at R {lo['ranks']}->"
+            f"{hi['ranks']} (slope {g['CTB pass, all']['p50']:.2f}); deciding pass slope "
+            f"{g['CTB pass, deciding']['p50']:.2f}; ERS plan p50 {r['ers'][-1]['plan_us']['p50']:.0f} us")
+
+
+def paper_scale(r: dict) -> str:
+    ratios = ", ".join(f"{k} {_num(v['goodput_emulated_over_sim'])}" for k, v in r["summary"].items()
+                       if "goodput_emulated_over_sim" in v)
+    goals = r["goals"]
+    return (f"{r['config']['ranks']} ranks; emulated/simulator goodput: {ratios}; tide vs best static "
+            f"{_num(goals['tide_over_best_static']['value'])}x, vs sync {_num(goals['tide_over_sync']['value'])}x")
+
+
 # benchmark (its script's name) -> the headline figures of one of its records
 EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "e2e_goodput": e2e_goodput, "weight_sync": weight_sync, "sleep_on_idle": sleep_on_idle,
@@ -302,6 +327,7 @@ EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "sim_paper": sim_paper, "sim_robustness": sim_robustness, "sim_speed": sim_speed, "ra2p_microbench": ra2p_microbench, "ctb_kv": ctb_kv,
     "ctb_rows": ctb_rows, "group_startup": group_startup, "role_transitions": role_transitions,
     "gpu_weight_sync": gpu_weight_sync, "gpu_trainer": gpu_trainer, "trainer_throughput": trainer_throughput,
+    "control_plane": control_plane, "decision_latency": decision_latency, "paper_scale": paper_scale,
 }
 
 
