@@ -9,6 +9,8 @@ ranks can be measured (`benchmarks/control_plane.py`) instead of assumed:
     control/cpu_rollout_thread_s   the rollout service's thread: mailbox reads, task placement,
                                    the buffer, health; the control plane proper
     control/cpu_main_thread_s      the step loop's thread (rank 0's trainer passes included)
+    control/loops                  passes of the rollout service's loop (one mailbox read
+                                   each, every 5 ms at most: idle passes cost per wall second)
     control/messages_sent          messages rank 0 posted in the step
     control/messages_received      messages rank 0 read in the step
     control/placement_passes       placement passes that decided something (admit, pause,
@@ -60,11 +62,12 @@ class ControlMeter:
     def __init__(self, mailbox, placement: DecisionTimer, ers_plan: DecisionTimer):
         self._mailbox, self._placement, self._ers_plan = mailbox, placement, ers_plan
         self._rollout_clock: Optional[int] = None
+        self._rollout = None
         self._last = self._read()
 
-    def start(self, rollout_thread: threading.Thread) -> None:
-        """Count from now on, reading `rollout_thread`'s CPU clock too (a started thread)."""
-        self._rollout_clock = time.pthread_getcpuclockid(rollout_thread.ident)
+    def start(self, rollout: threading.Thread) -> None:
+        """Count from now on, reading the started rollout service thread's CPU clock and `loops`."""
+        self._rollout, self._rollout_clock = rollout, time.pthread_getcpuclockid(rollout.ident)
         self._last = self._read()
         self._placement.take()
         self._ers_plan.take()
@@ -77,6 +80,7 @@ class ControlMeter:
             except OSError:  # the thread has ended (the run is failing): its time stays as read
                 rollout = self._last["rollout"]
         return {"process": time.process_time(), "main": time.thread_time(), "rollout": rollout,
+                "loops": float(getattr(self._rollout, "loops", 0)),
                 "sent": float(self._mailbox.posted), "received": float(self._mailbox.received)}
 
     def step_metrics(self) -> dict[str, float]:
@@ -85,7 +89,7 @@ class ControlMeter:
         self._last = now
         passes, plans = self._placement.take(), self._ers_plan.take()
         return {"control/cpu_process_s": d["process"], "control/cpu_rollout_thread_s": d["rollout"],
-                "control/cpu_main_thread_s": d["main"], "control/messages_sent": d["sent"],
+                "control/cpu_main_thread_s": d["main"], "control/loops": d["loops"], "control/messages_sent": d["sent"],
                 "control/messages_received": d["received"], "control/placement_passes": float(len(passes)),
                 "control/placement_p50_ms": 1e3 * quantile(passes, 0.5),
                 "control/placement_p99_ms": 1e3 * quantile(passes, 0.99),

@@ -91,6 +91,8 @@ class RolloutService(threading.Thread):
         self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
         self._rng = random.Random(seed)  # the task sampler's (run_state saves and restores it)
         self._stopping = threading.Event()
+        self.loops = 0
+        """Passes of this thread's loop (each reads the mailbox once): `control/loops`."""
         self._calls = CallQueue()
         self._notify: Callable[[str, str], None] = lambda kind, text: None  # set_event_sink
         self.quarantine = Quarantine(rollout_ranks, placement=placement, health=health, ledger=buffer.ledger,
@@ -152,6 +154,7 @@ class RolloutService(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self.loops += 1
                 read_at = self._pump()
                 self.meter.sample(read_at)
                 if self._rollout_started():
