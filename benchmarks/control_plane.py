@@ -45,6 +45,7 @@ def figures(rows: list[dict], dilation: float) -> dict:
     p50s, worst p99), ERS plan latency over the steps that planned, and the shares of a step."""
     out = {k.removeprefix("control/"): statistics.fmean(r[k] for r in rows) for k in PER_STEP}
     out["messages_per_step"] = out["messages_sent"] + out["messages_received"]
+    # all of the thread's CPU time over the messages: idle passes and placement included
     out["rollout_thread_us_per_message"] = 1e6 * out["cpu_rollout_thread_s"] / max(1.0, out["messages_per_step"])
     passes = [r for r in rows if r["control/placement_passes"]]
     out["placement_p50_ms"] = statistics.median(r["control/placement_p50_ms"] for r in passes) if passes else None
@@ -93,7 +94,7 @@ def main() -> int:
             record["error"] = run["error"]
             print(f"{ranks} ranks: FAILED ({run['error'][-300:]})", flush=True)
         else:
-            record.update(control=figures(run["rows"], dilation), run=modelled(run, dilation),
+            record.update(control=figures(run["rows"], dilation), run=modelled(run, ranks, dilation),
                           per_step=[{k.removeprefix("control/"): r[k] for k in r if k.startswith("control/")}
                                     for r in run["rows"]])
             c = record["control"]

@@ -50,6 +50,7 @@ import hydra_schema  # noqa: E402
 
 from tide_megatron.comm.messages import (CancelTask, PauseTask, ResumeTask, RunTask,  # noqa: E402
                                          TaskAssignment, TurnEvent)
+from tide_megatron.controller.control_meter import quantile  # noqa: E402
 from tide_megatron.controller.ctb_placement import CTBPlacement  # noqa: E402
 from tide_megatron.controller.rollout_service import POLL_INTERVAL_S  # noqa: E402
 from tide_megatron.core.ctb_deadline import TrainerClock  # noqa: E402
@@ -291,8 +292,7 @@ def summary(seconds: list[float]) -> dict:
     if not seconds:
         return {"n": 0}
     xs = sorted(s * 1e6 for s in seconds)
-    q = lambda p: xs[max(0, math.ceil(p * len(xs)) - 1)]  # noqa: E731  nearest rank
-    return {"n": len(xs), "p50": q(0.5), "p99": q(0.99), "max": xs[-1], "mean": sum(xs) / len(xs)}
+    return {"n": len(xs), "p50": quantile(xs, 0.5), "p99": quantile(xs, 0.99), "max": xs[-1], "mean": sum(xs) / len(xs)}
 
 
 def slope(rows: list[dict], key: str, q: str) -> float | None:

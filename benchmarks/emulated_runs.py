@@ -58,9 +58,11 @@ def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: f
                 "timeline_png": png.read_bytes() if png.is_file() else None}
 
 
-def modelled(run: dict, dilation: float) -> dict:
-    """A run's figures at the modelled device's speed: run goodput, mean step time, the waits,
-    the wasted share, ERS's moves, and the host's busy share beside them."""
+def modelled(run: dict, ranks: int, dilation: float) -> dict:
+    """A run's figures at the modelled device's speed: run goodput, mean step time, the waits
+    (rank-seconds, as the simulator counts them: each step's RWT, a mean per rollout rank, times
+    its rollout ranks, plus its TWT times its trainer ranks; no reference ranks here), the wasted
+    share, ERS's moves, and the host's busy share beside them."""
     rows = run["rows"]
     last = rows[-1]
     generated = last["ledger/generated"]
@@ -69,6 +71,8 @@ def modelled(run: dict, dilation: float) -> dict:
         "goodput_tok_s": last["run_goodput_tok_s"] * dilation,
         "mean_step_s": statistics.fmean(r["time/step_s"] for r in rows) / dilation,
         "rwt_plus_twt_s": sum(r["rwt_s"] + r["twt_s"] for r in rows) / dilation,
+        "waiting_rank_s": sum(r["rwt_s"] * (ranks - r["trainer/dp_size"]) + r["twt_s"] * r["trainer/dp_size"]
+                              for r in rows) / dilation,
         "wasted_share": last["ledger/wasted"] / generated if generated else 0.0,
         "lost_tokens": last["ledger/lost"],
         "consumed_tokens": sum(r["consumed_tokens"] for r in rows),

@@ -68,8 +68,9 @@ class Mailbox:
                 return []
             out: list = []
             if self._store.check([self._key(s) for s in self._pending]):  # the usual case: all written
-                slots, self._pending = self._pending[:limit], self._pending[limit:]
+                slots = self._pending[:max(0, limit)]
                 self._read(slots, out)
+                del self._pending[:len(slots)]  # after the read: a failed read leaves them pending
                 return out
             holes: list[int] = []
             while self._pending and len(out) < limit:
@@ -94,7 +95,8 @@ class Mailbox:
 
     def _read(self, slots: list[int], out: list) -> None:
         """Append the messages of written `slots` to `out`, in order, and free their keys. One
-        store round trip reads them all: the rollout thread reads thousands a step."""
+        store round trip reads them all (the rollout thread reads thousands a step); each key is
+        deleted on its own (a store has no multi-delete)."""
         keys = [self._key(slot) for slot in slots]
         for data in self._store.multi_get(keys):
             out.append(decode(json.loads(data)))

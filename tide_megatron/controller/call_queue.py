@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import threading
 from typing import Any, Callable, Optional
 
 _When = Optional[Callable[[], bool]]
@@ -21,6 +22,8 @@ _When = Optional[Callable[[], bool]]
 
 class CallQueue:
     def __init__(self):
+        self.arrived = threading.Event()
+        """Set by `submit`: the service thread's idle wait ends at once for a new request."""
         self._calls: "queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future, _When]]" = queue.Queue()
         self._waiting: list[tuple[Callable[[], bool], Callable[[], Any], concurrent.futures.Future]] = []
 
@@ -28,11 +31,13 @@ class CallQueue:
         """Any thread: queue `fn` (to run once `when()` holds, if given); its result's Future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._calls.put((fn, fut, when))
+        self.arrived.set()
         return fut
 
-    def serve(self) -> None:
+    def serve(self) -> int:
         """The service thread: run what was queued, in order, then every waiting request whose
-        condition holds now (newly queued conditional ones included)."""
+        condition holds now (newly queued conditional ones included). Returns how many ran."""
+        ran = 0
         while True:
             try:
                 fn, fut, when = self._calls.get_nowait()
@@ -40,15 +45,18 @@ class CallQueue:
                 break
             if when is None:
                 _run(fn, fut)
+                ran += 1
             else:
                 self._waiting.append((when, fn, fut))
         still = []
         for when, fn, fut in self._waiting:
             if when():
                 _run(fn, fut)
+                ran += 1
             else:
                 still.append((when, fn, fut))
         self._waiting = still
+        return ran
 
     def fail_all(self, error: Callable[[], BaseException]) -> None:
         """The service thread failed: every request not run yet, waiting or queued, gets an

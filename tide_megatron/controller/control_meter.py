@@ -13,10 +13,11 @@ ranks can be measured (`benchmarks/control_plane.py`) instead of assumed:
                                    each, every 5 ms at most: idle passes cost per wall second)
     control/messages_sent          messages rank 0 posted in the step
     control/messages_received      messages rank 0 read in the step
-    control/placement_passes       placement passes that decided something (admit, pause,
-                                   resume, cancel, post)
+    control/placement_passes       placement passes that decided something (CTB: admit,
+                                   pause, resume, cancel; request level: post a task)
     control/placement_p50_ms ...   their latency: p50, p99, max
-    control/ers_plan_ms            ERS's planning of the next step's roles (0: no plan)
+    control/ers_plan_ms            ERS's planning of the next step's roles (0: no plan;
+                                   drills and time sharing's loans are not plans)
 
 The store that carries the messages runs in torchrun's agent, not in rank 0: its CPU time is not
 in these figures.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Optional
 
 
 class DecisionTimer:
@@ -61,25 +61,21 @@ class ControlMeter:
 
     def __init__(self, mailbox, placement: DecisionTimer, ers_plan: DecisionTimer):
         self._mailbox, self._placement, self._ers_plan = mailbox, placement, ers_plan
-        self._rollout_clock: Optional[int] = None
         self._rollout = None
         self._last = self._read()
 
-    def start(self, rollout: threading.Thread) -> None:
-        """Count from now on, reading the started rollout service thread's CPU clock and `loops`."""
-        self._rollout, self._rollout_clock = rollout, time.pthread_getcpuclockid(rollout.ident)
+    def start(self, rollout) -> None:
+        """Count from now on, with the rollout service's own figures (`loops`, `cpu_s`: its thread
+        books them each pass; another thread's CPU clock is not read, since a thread id outlives
+        its thread and may name another)."""
+        self._rollout = rollout
         self._last = self._read()
         self._placement.take()
         self._ers_plan.take()
 
     def _read(self) -> dict[str, float]:
-        rollout = 0.0
-        if self._rollout_clock is not None:
-            try:
-                rollout = time.clock_gettime(self._rollout_clock)
-            except OSError:  # the thread has ended (the run is failing): its time stays as read
-                rollout = self._last["rollout"]
-        return {"process": time.process_time(), "main": time.thread_time(), "rollout": rollout,
+        return {"process": time.process_time(), "main": time.thread_time(),
+                "rollout": float(getattr(self._rollout, "cpu_s", 0.0)),
                 "loops": float(getattr(self._rollout, "loops", 0)),
                 "sent": float(self._mailbox.posted), "received": float(self._mailbox.received)}
 

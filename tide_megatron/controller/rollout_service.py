@@ -60,6 +60,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["RolloutService", "RunError"]
 
 POLL_INTERVAL_S = 0.005
+IDLE_POLL_MAX_S = 0.04
+"""A pass that read no message and ran no request doubles the wait before the next, up to this:
+an idle pass costs rank 0 CPU time per wall second whatever the job's size. A request from the
+main thread ends the wait at once; a rank's message waits at most this long."""
 
 _TASK_ENDS = (TrajectoryDone, TaskFailed, TaskCancelled, TaskCarried)
 
@@ -93,6 +97,8 @@ class RolloutService(threading.Thread):
         self._stopping = threading.Event()
         self.loops = 0
         """Passes of this thread's loop (each reads the mailbox once): `control/loops`."""
+        self.cpu_s = 0.0
+        """This thread's CPU time as of its latest pass: `control/cpu_rollout_thread_s`."""
         self._calls = CallQueue()
         self._notify: Callable[[str, str], None] = lambda kind, text: None  # set_event_sink
         self.quarantine = Quarantine(rollout_ranks, placement=placement, health=health, ledger=buffer.ledger,
@@ -149,19 +155,23 @@ class RolloutService(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
+        self._calls.arrived.set()  # out of its idle wait now
 
     # ------------------------------------------------------------------ the thread
     def run(self) -> None:
         try:
+            wait_s = POLL_INTERVAL_S
             while not self._stopping.is_set():
                 self.loops += 1
+                self._calls.arrived.clear()  # a request queued from here on ends the next wait
+                received = self.mailbox.received
                 read_at = self._pump()
                 self.meter.sample(read_at)
                 if self._rollout_started():
                     self.groups.start_due(self.step.consumed_groups)
                 self._place()
                 self.step.feed(self.version)
-                self._calls.serve()
+                busy = self._calls.serve() or self.mailbox.received > received
                 now = time.monotonic()
                 # silent as of the last read of the mailbox: a slow request above must not make
                 # the heartbeats it kept us from reading look missing
@@ -172,7 +182,9 @@ class RolloutService(threading.Thread):
                 problem = self.health.check(now, outstanding=self.groups.outstanding())
                 if problem:
                     raise RunError(f"{problem}; {self.placement.describe()}")
-                time.sleep(POLL_INTERVAL_S)
+                self.cpu_s = time.thread_time()
+                wait_s = POLL_INTERVAL_S if busy else min(IDLE_POLL_MAX_S, 2 * wait_s)
+                self._calls.arrived.wait(wait_s)
         except BaseException as exc:
             logger.error("rollout service failed: %s", exc)
             self.error = exc

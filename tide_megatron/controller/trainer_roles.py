@@ -262,10 +262,12 @@ class TrainerRoles:
         if self.time_share:
             return self._lend_for_rollout(step, f"time sharing: step {step + 1}'s rollout")
         drill = self.cfg.drill_every and step % self.cfg.drill_every == 0
-        t0 = time.perf_counter()
-        plan = self._drill_plan(step) if drill else self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p,
-                                                                  correction=correction)
-        self.plan_times.record(time.perf_counter() - t0)
+        if drill:
+            plan = self._drill_plan(step)
+        else:
+            t0 = time.perf_counter()
+            plan = self.ers.plan(self.plan, m, times, step=step, ra2p=ra2p, correction=correction)
+            self.plan_times.record(time.perf_counter() - t0)
         self.rollout_resized = False  # read into `m`; the next window starts with this plan's moves
         # what ERS read and concluded (rates, shares, decode slowdown, target split), for the
         # logs; `ers/reason` says why, also when the split is held

@@ -4,9 +4,6 @@ something."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
@@ -48,29 +45,18 @@ def test_messages_sent_and_read_are_counted_per_step():
     assert (second["control/messages_sent"], second["control/messages_received"]) == (0, 0)
 
 
-def test_the_rollout_threads_cpu_time_is_its_own():
-    go, burnt, release = threading.Event(), threading.Event(), threading.Event()
+def test_the_rollout_services_cpu_time_and_passes_are_taken_per_step():
+    class Rollout:  # what the rollout service books each pass
+        loops, cpu_s = 10, 0.5
 
-    def burn():
-        go.wait(10)
-        t0 = time.thread_time()
-        while time.thread_time() - t0 < 0.05:
-            pass
-        burnt.set()
-        release.wait(10)  # alive until read: a finished thread's clock is gone
-
+    rollout = Rollout()
     meter = ControlMeter(Mailbox(dist.HashStore(), 0), DecisionTimer(), DecisionTimer())
-    thread = threading.Thread(target=burn)
-    thread.start()
-    meter.start(thread)
-    go.set()
-    assert burnt.wait(10)
-    metrics = meter.step_metrics()
-    release.set()
-    thread.join()
-    assert metrics["control/cpu_rollout_thread_s"] >= 0.05
-    assert metrics["control/cpu_process_s"] >= metrics["control/cpu_rollout_thread_s"]
-    assert metrics["control/cpu_main_thread_s"] < metrics["control/cpu_rollout_thread_s"]
+    meter.start(rollout)
+    rollout.loops, rollout.cpu_s = 25, 0.75
+    first = meter.step_metrics()
+    assert (first["control/loops"], first["control/cpu_rollout_thread_s"]) == (15, 0.25)
+    second = meter.step_metrics()
+    assert (second["control/loops"], second["control/cpu_rollout_thread_s"]) == (0, 0)
 
 
 def test_only_placement_passes_that_decide_are_timed():

@@ -34,13 +34,13 @@ def test_requests_run_in_order_when_served_and_conditional_ones_once_their_condi
     a = q.submit(lambda: ran.append("a") or 1)
     c = q.submit(lambda: ran.append("c") or 3, when=lambda: bool(gate))
     b = q.submit(lambda: ran.append("b") or 2)
-    assert ran == [] and not a.done()
-    q.serve()
+    assert ran == [] and not a.done() and q.arrived.is_set()  # a submit wakes the service's wait
+    assert q.serve() == 2
     assert ran == ["a", "b"] and (a.result(), b.result()) == (1, 2) and not c.done()
     gate.append(True)
-    q.serve()
+    assert q.serve() == 1
     assert ran == ["a", "b", "c"] and c.result() == 3
-    q.serve()
+    assert q.serve() == 0
     assert ran == ["a", "b", "c"]  # each runs once
 
 

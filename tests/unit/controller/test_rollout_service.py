@@ -638,3 +638,20 @@ def test_an_engine_restarted_without_the_weights_it_confirmed_takes_its_rank_out
         svc.stop()
         for r in ranks.values():
             r.stop.set()
+
+
+def test_an_idle_service_backs_off_its_mailbox_reads_and_still_serves_requests_at_once(store):
+    """An idle pass costs rank 0 CPU per wall second: with nothing arriving the service waits up
+    to IDLE_POLL_MAX_S between passes, not POLL_INTERVAL_S; a request ends the wait."""
+    from tide_megatron.controller.rollout_service import IDLE_POLL_MAX_S, POLL_INTERVAL_S
+
+    svc = make_service(store)  # its rank never starts: nothing arrives
+    try:
+        time.sleep(0.2)  # the wait has grown to its bound
+        before, t0 = svc.loops, time.monotonic()
+        time.sleep(1.0)
+        passes, idle_s = svc.loops - before, time.monotonic() - t0
+        assert passes <= idle_s / IDLE_POLL_MAX_S + 2 < idle_s / POLL_INTERVAL_S / 4
+        assert svc.wait(svc.submit(lambda: 7), 10.0, "a request") == 7
+    finally:
+        svc.stop()
