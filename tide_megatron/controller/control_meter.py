@@ -10,7 +10,7 @@ ranks can be measured (`benchmarks/control_plane.py`) instead of assumed:
                                    the buffer, health; the control plane proper
     control/cpu_main_thread_s      the step loop's thread (rank 0's trainer passes included)
     control/loops                  passes of the rollout service's loop (one mailbox read
-                                   each, every 5 ms at most: idle passes cost per wall second)
+                                   each, 5-40 ms apart: idle passes cost per wall second)
     control/messages_sent          messages rank 0 posted in the step
     control/messages_received      messages rank 0 read in the step
     control/placement_passes       placement passes that decided something (CTB: admit,
