@@ -57,33 +57,31 @@ def quantile(xs: list[float], q: float) -> float:
 
 class ControlMeter:
     """Rank 0's control-plane cost per step. `step_metrics` is called once per step, from the
-    step loop's thread (it reads that thread's CPU clock)."""
+    step loop's thread (it reads that thread's CPU clock). The rollout service's thread books its
+    own `loops` and `cpu_s` each pass: another thread's CPU clock is not read, since a thread id
+    outlives its thread and may name another."""
 
-    def __init__(self, mailbox, placement: DecisionTimer, ers_plan: DecisionTimer):
-        self._mailbox, self._placement, self._ers_plan = mailbox, placement, ers_plan
-        self._rollout = None
+    def __init__(self, mailbox, rollout, ers_plan: DecisionTimer):
+        """`rollout`: the rollout service (its `placement.decision_times`, `loops`, `cpu_s`)."""
+        self._mailbox, self._rollout, self._ers_plan = mailbox, rollout, ers_plan
         self._last = self._read()
 
-    def start(self, rollout) -> None:
-        """Count from now on, with the rollout service's own figures (`loops`, `cpu_s`: its thread
-        books them each pass; another thread's CPU clock is not read, since a thread id outlives
-        its thread and may name another)."""
-        self._rollout = rollout
+    def start(self) -> None:
+        """Count from now on: what came before (the engines' start-up) is left out."""
         self._last = self._read()
-        self._placement.take()
+        self._rollout.placement.decision_times.take()
         self._ers_plan.take()
 
     def _read(self) -> dict[str, float]:
-        return {"process": time.process_time(), "main": time.thread_time(),
-                "rollout": float(getattr(self._rollout, "cpu_s", 0.0)),
-                "loops": float(getattr(self._rollout, "loops", 0)),
-                "sent": float(self._mailbox.posted), "received": float(self._mailbox.received)}
+        return {"process": time.process_time(), "main": time.thread_time(), "rollout": self._rollout.cpu_s,
+                "loops": float(self._rollout.loops), "sent": float(self._mailbox.posted),
+                "received": float(self._mailbox.received)}
 
     def step_metrics(self) -> dict[str, float]:
         now = self._read()
         d = {k: now[k] - self._last[k] for k in now}
         self._last = now
-        passes, plans = self._placement.take(), self._ers_plan.take()
+        passes, plans = self._rollout.placement.decision_times.take(), self._ers_plan.take()
         return {"control/cpu_process_s": d["process"], "control/cpu_rollout_thread_s": d["rollout"],
                 "control/cpu_main_thread_s": d["main"], "control/loops": d["loops"], "control/messages_sent": d["sent"],
                 "control/messages_received": d["received"], "control/placement_passes": float(len(passes)),

@@ -123,7 +123,7 @@ class Controller:
                                   rollout=self.rollout, min_rollout_ranks=sched.min_rollout_ranks,
                                   time_share=self.mode.time_shared)
         self._ers_since = time.perf_counter()  # where the window ERS's next plan reads begins
-        self.control = ControlMeter(mailbox, self.rollout.placement.decision_times, self.roles.plan_times)
+        self.control = ControlMeter(mailbox, self.rollout, self.roles.plan_times)
         self.log = StepLog(cfg, self.rollout, self.trainer, metrics)
         self.unstopped: list[str] = []
         """Rollout ranks that did not answer `Stop` in time, one line each (see the docstring)."""
@@ -147,7 +147,7 @@ class Controller:
             # weight load are the run's time, not a head start for the modes that move ranks.
             self.log.start_run()
             self._run_started = time.monotonic()
-            self.control.start(self.rollout)  # step 1's figures leave the engines' start-up out
+            self.control.start()  # step 1's figures leave the engines' start-up out
             # ERS's first window opens with rollout too: groups and decode of that time belong to
             # it. Opened later, it missed the first groups' decode (read as none).
             self._open_ers_window()

@@ -1,5 +1,5 @@
-"""Rank 0's control-plane figures (`control/*`): messages counted once each, thread CPU time
-read from the thread that spent it, and placement latencies booked only for passes that decided
+"""Rank 0's control-plane figures (`control/*`): messages counted once each, the rollout
+service's own CPU time and passes taken per step, and placement latencies booked only for passes that decided
 something."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from tide_megatron.controller.control_meter import ControlMeter, DecisionTimer, 
 from tide_megatron.controller.placement import RequestPlacement
 
 
-
 def _group(gid: str, n: int = 2):
     task = {"env": "door_game", "task_id": f"train/{gid}", "task_type": "door_game/rooms2", "split": "train"}
     return [TaskAssignment(task=task, group_id=gid, index=i) for i in range(n)]
@@ -31,10 +30,18 @@ def test_quantile_is_a_value_with_at_least_that_share_at_or_below_it(xs, q):
     assert sum(x < v for x in xs) < q * len(xs)
 
 
+class Rollout:
+    """What the rollout service books each pass, and its placement's timer."""
+
+    def __init__(self, loops: int = 0, cpu_s: float = 0.0):
+        self.loops, self.cpu_s = loops, cpu_s
+        self.placement = RequestPlacement(Mailbox(dist.HashStore(), 0), [1], max_tasks_per_rank=1)
+
+
 def test_messages_sent_and_read_are_counted_per_step():
     store = dist.HashStore()
     rank0, rank1 = Mailbox(store, 0), Mailbox(store, 1)
-    meter = ControlMeter(rank0, DecisionTimer(), DecisionTimer())
+    meter = ControlMeter(rank0, Rollout(), DecisionTimer())
     for _ in range(3):
         rank0.post(1, Stop())
     rank1.post(0, Stop())
@@ -46,12 +53,9 @@ def test_messages_sent_and_read_are_counted_per_step():
 
 
 def test_the_rollout_services_cpu_time_and_passes_are_taken_per_step():
-    class Rollout:  # what the rollout service books each pass
-        loops, cpu_s = 10, 0.5
-
-    rollout = Rollout()
-    meter = ControlMeter(Mailbox(dist.HashStore(), 0), DecisionTimer(), DecisionTimer())
-    meter.start(rollout)
+    rollout = Rollout(loops=10, cpu_s=0.5)
+    meter = ControlMeter(Mailbox(dist.HashStore(), 0), rollout, DecisionTimer())
+    meter.start()
     rollout.loops, rollout.cpu_s = 25, 0.75
     first = meter.step_metrics()
     assert (first["control/loops"], first["control/cpu_rollout_thread_s"]) == (15, 0.25)
