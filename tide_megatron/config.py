@@ -20,6 +20,7 @@ from tide_megatron.rollout.ctb_config import CTBDispatchConfig, check_ctb_resour
 from tide_megatron.trainer.config import TrainerConfig
 
 RESUME_MODES = ("auto", "true", "false")
+TASK_ORDERS = ("random", "sequential")
 METRIC_LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 WANDB_MODES = ("", "online", "offline", "disabled")
 RA2P_EXECUTORS = ("auto", "colocated", "decoupled", "vs", "vso")
@@ -179,6 +180,11 @@ class SchedulerConfig:
     steps keep `groups_per_step`."""
     group_size: int = 4
     """Trajectories per group (G)."""
+    task_order: str = "random"
+    """How the controller draws each training group's task from the env's list: `random`
+    (uniformly, with the run's seed) or `sequential` (the list in order, cycling). Sequential
+    is the simulator's order on the replayed workload (group k is task k), so an emulated run
+    and its simulation train on the same groups."""
     max_staleness: int = 1
     """Largest policy-version lag of a consumed trajectory (0 is strictly on-policy)."""
     max_tasks_per_rank: int = 16
@@ -409,6 +415,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     if cfg.run.resume_mode not in RESUME_MODES:
         raise ValueError(f"run.resume={cfg.run.resume!r}: expected one of {RESUME_MODES} "
                          "(auto: continue from the newest checkpoint if there is one, else start fresh)")
+    if cfg.scheduler.task_order not in TASK_ORDERS:
+        raise ValueError(f"scheduler.task_order={cfg.scheduler.task_order!r}: expected one of {TASK_ORDERS}")
     if cfg.scheduler.mode not in SCHEDULER_MODES:
         raise ValueError(f"scheduler.mode={cfg.scheduler.mode!r}: expected one of {SCHEDULER_MODES}")
     if cfg.model.architecture not in MODEL_ARCHITECTURES:

@@ -40,11 +40,14 @@ class GroupBook:
     def __init__(self, *, buffer: GlobalBuffer, placement, health: RolloutHealth, mode: ModePolicy,
                  meter: RolloutMeter, evals: EvalAggregator, counters: dict[str, int],
                  tasks: list[dict[str, Any]], rng: random.Random, group_size: int, groups_per_step: int,
-                 max_task_retries: int, max_failed_groups: int, version: int):
+                 max_task_retries: int, max_failed_groups: int, version: int, task_order: str = "random"):
         self.buffer, self.placement, self.health, self.mode = buffer, placement, health, mode
         self.meter, self.evals = meter, evals
         self.counters = counters  # groups started / failed / cancelled, retries, task failures
         self.tasks, self.rng = tasks, rng  # the task sampler (run_state saves and restores it)
+        self.task_order = task_order  # `scheduler.task_order`
+        self.drawn = 0
+        """Training tasks drawn in the whole run: where `sequential` goes on (run_state restores it)."""
         self.group_size, self.groups_per_step = group_size, groups_per_step
         self.max_task_retries, self.max_failed_groups = max_task_retries, max_failed_groups
         self.version = version
@@ -90,7 +93,7 @@ class GroupBook:
 
     def start(self, task: Optional[dict] = None, is_eval: bool = False, prefix: str = "g") -> str:
         """Draw a task (unless given), open its group in the buffer and queue its members."""
-        task = task or self.rng.choice(self.tasks)
+        task = task or self._draw()
         gid = f"{prefix}{self.started}v{self.version}"
         self.started += 1
         members = [TaskAssignment(task, gid, i, is_eval) for i in range(self.group_size)]
@@ -101,6 +104,14 @@ class GroupBook:
         self.placement.submit(members, front=is_eval)
         self.counters["groups_started"] += 1
         return gid
+
+    def _draw(self) -> dict[str, Any]:
+        if self.task_order == "sequential":
+            task = self.tasks[self.drawn % len(self.tasks)]
+        else:
+            task = self.rng.choice(self.tasks)
+        self.drawn += 1
+        return task
 
     def submit_eval(self, version: int, tasks: list[dict[str, Any]], groups: int) -> None:
         """Eval groups for the model `version`, ahead of every queued training task."""

@@ -80,7 +80,7 @@ class RolloutService(threading.Thread):
                  max_staleness: int, max_task_retries: int, max_failed_groups: int, seed: int,
                  start_version: int, health: RolloutHealth, eval_pass_threshold: float = 1.0,
                  weight_sender=None, weight_sync_timeout_s: float = 300.0, min_rollout_ranks: int = 1,
-                 hand_over_tasks: bool = True):
+                 hand_over_tasks: bool = True, task_order: str = "random"):
         super().__init__(name="rollout-service", daemon=True)
         self.mailbox, self.buffer, self.placement, self.mode, self.health = mailbox, buffer, placement, mode, health
         self._startup_ranks = list(rollout_ranks)
@@ -111,7 +111,7 @@ class RolloutService(threading.Thread):
                                 evals=self.evals, counters=self.counters, tasks=tasks, rng=self._rng,
                                 group_size=group_size, groups_per_step=groups_per_step,
                                 max_task_retries=max_task_retries, max_failed_groups=max_failed_groups,
-                                version=start_version)
+                                version=start_version, task_order=task_order)
         self.handover = Handover(quarantine=self.quarantine, groups=self.groups, buffer=buffer, placement=placement,
                                  health=health, counters=self.counters, min_rollout_ranks=min_rollout_ranks,
                                  hand_over_tasks=hand_over_tasks)

@@ -53,7 +53,8 @@ class RunState:
     step: int
     version: int
     sampler: dict[str, Any]
-    """`rng` (random.Random state as JSON), `groups_started`, `num_tasks`."""
+    """`rng` (random.Random state as JSON), `groups_started`, `tasks_drawn` (training tasks; absent
+    in run states of earlier versions: 0), `num_tasks`."""
     counters: dict[str, int]
     ledger: dict[str, int]
     """TokenLedger buckets and `generated`."""
@@ -79,6 +80,8 @@ class RunState:
             raise ValueError("sampler.rng: not a random.Random state")
         _int(sampler, "groups_started", "sampler.")
         _int(sampler, "num_tasks", "sampler.")
+        sampler.setdefault("tasks_drawn", 0)
+        _int(sampler, "tasks_drawn", "sampler.")
         counters = _dict(data, "counters")
         for key in counters:
             _int(counters, key, "counters.")
@@ -133,6 +136,7 @@ def _capture_service(service) -> dict[str, Any]:
     ledger = service.buffer.ledger
     return {
         "sampler": {"rng": _json_tuple(service._rng.getstate()), "groups_started": service.groups.started,
+                    "tasks_drawn": service.groups.drawn,
                     "num_tasks": len(service.tasks)},
         "counters": {k: int(v) for k, v in service.counters.items()},
         "ledger": {k: getattr(ledger, k) for k in _LEDGER_KEYS},
@@ -178,6 +182,7 @@ def restore(controller, state: RunState) -> list[str]:
     sampler = state.sampler
     service._rng.setstate(_tuple(sampler["rng"]))
     service.groups.started = sampler["groups_started"]
+    service.groups.drawn = sampler.get("tasks_drawn", 0)
     if sampler["num_tasks"] != len(service.tasks):
         notes.append(f"the env offers {len(service.tasks)} training tasks, the checkpoint's sampler drew from "
                      f"{sampler['num_tasks']}: the task order differs from an uninterrupted run")

@@ -127,7 +127,7 @@ class FakePlacement:
         pass
 
 
-def _book(mode="sync", retries=1, max_failed_groups=3, placement=None):
+def _book(mode="sync", retries=1, max_failed_groups=3, placement=None, task_order="random"):
     buffer = GlobalBuffer(BufferConfig(group_size=G, b_min=G, b_ideal=G, max_staleness=1))
     health = RolloutHealth([1], time.monotonic(), heartbeat_timeout_s=30, stall_timeout_s=30)
     placement = placement or FakePlacement()
@@ -135,8 +135,27 @@ def _book(mode="sync", retries=1, max_failed_groups=3, placement=None):
     groups = GroupBook(buffer=buffer, placement=placement, health=health, mode=mode_policy(mode), meter=meter,
                        evals=EvalAggregator(), counters=defaultdict(int), tasks=TASKS, rng=random.Random(0),
                        group_size=G, groups_per_step=1, max_task_retries=retries,
-                       max_failed_groups=max_failed_groups, version=0)
+                       max_failed_groups=max_failed_groups, version=0, task_order=task_order)
     return groups, buffer, placement
+
+
+def test_sequential_order_draws_the_tasks_in_turn_and_eval_groups_do_not_take_a_turn():
+    groups, _, placement = _book(task_order="sequential")
+    groups.start()
+    groups.submit_eval(0, TASKS, 1)
+    for _ in range(3):
+        groups.start()
+    training = [a.task["task_id"] for a in placement.submitted if not a.is_eval and a.index == 0]
+    assert training == ["t0", "t1", "t2", "t0"] and groups.drawn == 4
+
+
+def test_random_order_draws_from_the_seeded_sampler():
+    groups, _, placement = _book()
+    for _ in range(12):
+        groups.start()
+    rng = random.Random(0)
+    assert [a.task["task_id"] for a in placement.submitted if a.index == 0] == \
+        [rng.choice(TASKS)["task_id"] for _ in range(12)]
 
 
 def _failed(a: TaskAssignment, tokens: int = 4) -> TaskFailed:

@@ -78,6 +78,7 @@ def test_capture_holds_sampler_ledger_and_ready_groups(captured):
     svc = ctrl.rollout
     assert (state.step, state.version) == (3, 3)
     assert state.sampler["groups_started"] == 5 and state.sampler["num_tasks"] == len(TASKS)
+    assert state.sampler["tasks_drawn"] == 5
     assert state.counters["groups_started"] == 5 and state.counters["retries"] == 2
     assert state.ledger["in_flight"] == 4 and state.ledger["consumed"] == 5 + 6
     assert [g["group_id"] for g in state.ready_groups] == [g.group_id for g in svc.buffer.ready_groups()]
@@ -101,6 +102,7 @@ def test_round_trip_continues_where_the_run_was(captured):
 
     assert [svc._rng.choice(TASKS)["task_id"] for _ in range(6)] == expected_tasks
     assert svc.groups.start() == "g5v3"  # group ids keep counting after the 5 drawn before the save
+    assert svc.groups.drawn == 6  # so does a sequential order's position
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == (expected_python, expected_numpy,
                                                                           expected_torch)
     assert dict(svc.counters) == {**state.counters, "groups_started": state.counters["groups_started"] + 1}
@@ -141,11 +143,18 @@ def test_restore_refuses_another_step_or_a_running_service(captured):
         running.rollout.join(timeout=5)
 
 
+def test_a_run_state_of_an_earlier_version_has_drawn_no_task_in_order(captured):
+    data = json.loads(json.dumps(captured[1].to_json()))
+    del data["sampler"]["tasks_drawn"]
+    assert RunState.from_json(data).sampler["tasks_drawn"] == 0
+
+
 @pytest.mark.parametrize("damage,field", [
     (lambda d: d.update(format=2), "format"),
     (lambda d: d.update(step=-1), "step"),
     (lambda d: d["sampler"].update(rng=[3, "x", None]), "sampler.rng"),
     (lambda d: d["sampler"].pop("groups_started"), "sampler.groups_started"),
+    (lambda d: d["sampler"].update(tasks_drawn=-2), "sampler.tasks_drawn"),
     (lambda d: d["counters"].update(retries="two"), "counters.retries"),
     (lambda d: d["ledger"].update(lost=5), "ledger: buckets do not add up"),
     (lambda d: d["ready_groups"][0]["trajectories"][0].update(loss_mask=[1]), "ready_groups[0]: bad trajectory"),

@@ -94,6 +94,7 @@ def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     ("scheduler.group_size=1", 2, "group_size"),
     ("envs.train_env=nope", 2, "envs.train_env='nope'"),
     ("scheduler.mode=fast", 2, "scheduler.mode='fast'"),
+    ("scheduler.task_order=shuffled", 2, "scheduler.task_order='shuffled': expected one of"),
     ("scheduler.min_groups_per_step=9", 2, "scheduler.min_groups_per_step=9: expected 0"),
     ("scheduler.groups_per_step=0", 2, "scheduler.groups_per_step=0: a step trains at least one group"),
     ("ra2p.executor=vs", 2, "ra2p.executor=vs with scheduler.mode=sync_split"),
