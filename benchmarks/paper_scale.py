@@ -27,7 +27,10 @@ task stream is the simulator's for that seed).
 
 Per mode: goodput and mean step time at the modelled speed (emulated: wall / dilation), their
 emulated/simulator ratio per repetition (the goal: within 10%), the wasted share, RWT+TWT,
-the host's busy share. The TIDE goals on the emulated system: tide >= 1.3x the best static split
+the host's busy share; and what the ratio is made of: the generated tokens each step consumed
+and its train time on both sides, and the emulated goodput without its checkpoints' time (the
+simulator saves none). The recipe draws the replayed tasks in the simulator's order
+(`scheduler.task_order=sequential`), so both sides run the same groups. The TIDE goals on the emulated system: tide >= 1.3x the best static split
 and >= 3x sync, ERS's RWT+TWT <= 0.3 of the best static split's, wasted tokens <= 2%.
 Writes benchmarks/results/paper_scale.json (paper_scale_<N>ranks.json at another size) and the
 tide run's timeline PNG beside it; prints a short table.
@@ -106,7 +109,21 @@ def simulate(v: dict, args, seed: int) -> dict:
             "goodput_tok_s": s["goodput"], "mean_step_s": s["mean_step_s"],
             "wasted_share": s["wasted_tokens"] / max(1, s["generated_tokens"]),
             "waiting_rank_s": m.waiting_rank_s, "steps": s["steps_done"],
-            "ra2p_modes": [step.ra2p_mode for step in m.steps]}
+            "ra2p_modes": [step.ra2p_mode for step in m.steps],
+            "step_tokens": [step.tokens for step in m.steps], "step_train_s": [step.train_s for step in m.steps]}
+
+
+def per_step(rows: list[dict], dilation: float) -> dict:
+    """The emulated run's steps beside the simulator's (`step_tokens`, `step_train_s`): generated
+    tokens consumed, train and checkpoint time at the modelled speed, and the run goodput with the
+    checkpoints' time left out (the simulator saves none)."""
+    consumed = sum(r["consumed_tokens"] for r in rows)
+    checkpoint_s = sum(r["time/checkpoint_s"] for r in rows)
+    elapsed = consumed / rows[-1]["run_goodput_tok_s"]  # the run's wall time since its first dispatch
+    return {"step_tokens": [r["consumed_tokens"] for r in rows],
+            "step_train_s": [r["time/train_s"] / dilation for r in rows],
+            "checkpoint_s": checkpoint_s / dilation,
+            "goodput_without_checkpoint_tok_s": consumed / (elapsed - checkpoint_s) * dilation}
 
 
 def best_settings(args) -> tuple[dict[str, dict], dict[str, float]]:
@@ -159,7 +176,7 @@ def main() -> int:
                 record["error"] = run["error"]
                 print(f"rep {rep} {v['label']:<18} FAILED: {run['error'][-300:]}", flush=True)
             else:
-                record["emulated"] = modelled(run, args.ranks, args.dilation)
+                record["emulated"] = {**modelled(run, args.ranks, args.dilation), **per_step(run["rows"], args.dilation)}
                 if v["mode"] == "tide+ers" and run["timeline_png"]:
                     timeline = run["timeline_png"]
                 e, s = record["emulated"], record["sim"]
@@ -178,12 +195,15 @@ def main() -> int:
             continue
         g = [r["emulated"]["goodput_tok_s"] / r["sim"]["goodput_tok_s"] for r in mine]
         t = [r["emulated"]["mean_step_s"] / r["sim"]["mean_step_s"] for r in mine]
+        tokens = [sum(r["emulated"]["step_tokens"]) / sum(r["sim"]["step_tokens"]) for r in mine]
+        g_ckpt = [r["emulated"]["goodput_without_checkpoint_tok_s"] / r["sim"]["goodput_tok_s"] for r in mine]
         summary[v["label"]] = {
             "mode": v["mode"], "runs": len(mine),
             **{f"emulated_{k}": statistics.fmean(r["emulated"][k] for r in mine)
                for k in ("goodput_tok_s", "mean_step_s", "wasted_share", "waiting_rank_s", "rank_moves")},
             **{f"sim_{k}": statistics.fmean(r["sim"][k] for r in mine) for k in ("goodput_tok_s", "mean_step_s")},
             "goodput_emulated_over_sim": geomean(g), "step_emulated_over_sim": geomean(t),
+            "tokens_emulated_over_sim": geomean(tokens), "goodput_without_checkpoint_emulated_over_sim": geomean(g_ckpt),
             "agree_within_10pct": all(abs(x - 1) <= AGREE for x in g + t),
             "cpu_busy_share": statistics.fmean(r["emulated"]["cpu_busy_share"] or 0 for r in mine)}
 
@@ -208,15 +228,16 @@ def main() -> int:
 
     print(f"\n{args.ranks} ranks, dilation {args.dilation:g}, {args.groups_per_step}x{args.group_size} per step, "
           f"{args.steps} steps, {args.reps} reps (modelled speed)")
-    print(f"{'mode':<18}{'emu tok/s':>10}{'sim tok/s':>10}{'ratio':>7}{'emu step':>9}{'sim step':>9}{'ratio':>7}"
-          f"{'wasted':>8}{'busy':>6}")
+    print(f"{'mode':<18}{'emu tok/s':>10}{'sim tok/s':>10}{'ratio':>7}{'no ckpt':>8}{'emu step':>9}{'sim step':>9}"
+          f"{'ratio':>7}{'tokens':>7}{'wasted':>8}{'busy':>6}")
     for label, s in summary.items():
         if "emulated_goodput_tok_s" not in s:
             print(f"{label:<18}{'failed':>10}")
             continue
         print(f"{label:<18}{s['emulated_goodput_tok_s']:>10.0f}{s['sim_goodput_tok_s']:>10.0f}"
-              f"{s['goodput_emulated_over_sim']:>7.2f}{s['emulated_mean_step_s']:>9.1f}{s['sim_mean_step_s']:>9.1f}"
-              f"{s['step_emulated_over_sim']:>7.2f}{s['emulated_wasted_share']:>8.3f}{s['cpu_busy_share']:>6.2f}")
+              f"{s['goodput_emulated_over_sim']:>7.2f}{s['goodput_without_checkpoint_emulated_over_sim']:>8.2f}"
+              f"{s['emulated_mean_step_s']:>9.1f}{s['sim_mean_step_s']:>9.1f}{s['step_emulated_over_sim']:>7.2f}"
+              f"{s['tokens_emulated_over_sim']:>7.2f}{s['emulated_wasted_share']:>8.3f}{s['cpu_busy_share']:>6.2f}")
     print(f"{best['elastic']['label']:<18}{'-':>10}{elastic['goodput_tok_s']:>10.0f}{'':>7}{'-':>9}"
           f"{elastic['mean_step_s']:>9.1f}   (simulator only)")
     for k, g in goals.items():
