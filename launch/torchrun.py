@@ -170,6 +170,7 @@ def reap_leftovers(launch_id: str, grace_s: float = 10.0) -> int:
 
 def main(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args(argv)
@@ -190,6 +191,9 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as exc:
         print(describe_failures(exc), file=sys.stderr)
         return 1
+    except SignalException as exc:  # scancel, Ctrl-C, a supervisor's SIGTERM: the ranks are stopped
+        print(f"launch/torchrun.py: stopped by signal {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     finally:
         left = reap_leftovers(launch_id)
         if left:

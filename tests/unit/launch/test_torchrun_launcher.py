@@ -95,3 +95,25 @@ def test_leftovers_of_this_launch_are_reaped_and_nothing_else():
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_signalled_launch_stops_its_ranks_and_says_so_in_one_line(tmp_path):
+    """scancel or a supervisor's SIGTERM: torchrun stops the ranks and re-raises the signal as an
+    exception; the launcher answers with one line and the shell's exit code, not a traceback."""
+    worker = tmp_path / "worker.py"
+    marker = tmp_path / "started"
+    worker.write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", "1", str(worker)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "the worker never started"
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + 15
+    assert "launch/torchrun.py: stopped by signal SIGTERM" in err and "Traceback" not in err
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(worker) in (p.info["cmdline"] or [])]
