@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 
 from tide_megatron.comm.mailbox import Mailbox
-from tide_megatron.comm.messages import (EngineFacts, Heartbeat, LoadWeights, OpenRefStep, PushWeights, RankReady,
+from tide_megatron.comm.messages import (CancelTask, EngineFacts, Heartbeat, LoadWeights, OpenRefStep, PushWeights, RankReady,
                                          RefMicroBatch, RunTask, SaveCheckpoint, SetRoles, TaskAssignment,
                                          TrainMicroBatch, TrajectoryDone, WeightsLoaded)
 from tide_megatron.comm.weight_sync import (
@@ -207,23 +207,46 @@ def test_no_shared_buffer_outlives_its_creator_even_when_a_reader_was_killed(tmp
     assert not os.path.exists(os.path.join("/dev/shm", name.lstrip("/")))
 
 
-def test_a_sender_stopped_between_reserving_and_writing_blocks_no_one():
-    """A slot reserved and never written (a sender frozen inside `post`) must not block the
-    owner; the frozen sender's message is read, in its order, once written."""
-    store = dist.HashStore()
-    owner, other = Mailbox(store, 0), Mailbox(store, 2)
-    frozen_slot = store.add("tide/mb/0/n", 1) - 1  # rank 1 reserved a slot, then stopped
-    other.post(0, PushWeights(0))
+def test_polling_a_queue_nobody_wrote_returns_at_once():
+    """A `get` of a key nobody has set waits for the store's timeout; a poll must not."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
     t0 = time.monotonic()
-    assert [m.src for m in owner.poll()] == [2]  # at once, not after the store's timeout
+    assert Mailbox(store, 0).poll() == []
     assert time.monotonic() - t0 < 1
-    other.post(0, PushWeights(1))
+
+
+class _AppendsDuringClear:
+    """A store on which another sender posts between the owner's read and its clear, `times` times."""
+
+    def __init__(self, store, sender: Mailbox, times: int):
+        self.store, self.sender, self.times = store, sender, times
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def compare_set(self, key, expected, desired):
+        if desired == b"" and self.times:  # the clear
+            self.times -= 1
+            self.sender.post(0, PushWeights(100 + self.times))
+        return self.store.compare_set(key, expected, desired)
+
+
+def test_a_message_posted_between_the_read_and_the_clear_is_neither_lost_nor_read_twice():
+    store = dist.HashStore()
+    sender = Mailbox(store, 1)
+    owner = Mailbox(_AppendsDuringClear(store, sender, times=2), 0)
+    sender.post(0, PushWeights(0))
+    assert [m.version for m in owner.poll()] == [0, 101, 100]
+    assert owner.poll() == [] and owner.received == 3
+    sender.post(0, PushWeights(1))
     assert [m.version for m in owner.poll()] == [1]
-    # rank 1 wakes: it writes its slot, then posts again; both come out, in its order
-    store.set(f"tide/mb/0/{frozen_slot}", '{"kind":"push_weights","src":1,"version":10}')
-    Mailbox(store, 1).post(0, PushWeights(11))
-    assert [(m.src, m.version) for m in owner.poll()] == [(1, 10), (1, 11)]
-    assert owner.poll() == []
+
+
+def test_a_message_with_newlines_in_its_text_is_one_message():
+    store = dist.HashStore()
+    Mailbox(store, 1).post(0, CancelTask("g0v0/1", reason="line one\nline two"))
+    (msg,) = Mailbox(store, 0).poll()
+    assert msg.reason == "line one\nline two"
 
 
 # -- point-to-point weights: three gloo ranks, one thread each, on loopback ----------------------
