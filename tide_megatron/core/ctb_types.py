@@ -60,8 +60,10 @@ class CTBConfig:
     """A task on its last this-many turns (of `task_max_turns`) is protected from pauses."""
     move_after_s: float = 2.0
     """A paused task waits this long for room on the rank it ran on before it may resume on
-    another rank; meanwhile that rank admits nothing new. 0: move at once; inf: never move (a
-    carrier that cannot move tasks between ranks)."""
+    another rank; meanwhile that rank admits nothing new. 0: move at once; inf: never move. A
+    carrier that cannot move tasks between ranks runs with inf whatever is set here: the real
+    system's (`controller/ctb_placement.py`, a task's runner lives in its rank's process), so
+    there this key has effect only in the simulator and in-process dispatchers."""
     deadline_admission: bool = False
     """With a `TrainerClock`, start a training group only if now + the predicted group latency
     (`latency_quantile` of the last `latency_window` completed groups) is within its deadline
