@@ -56,6 +56,7 @@ class GroupBook:
         """Groups drawn in the whole run: the next group id's number (run_state restores it)."""
         self._requested = 0  # sync mode: groups the current rollout phase still has to start
         self._live: dict[str, list[TaskAssignment]] = {}  # training/eval groups started, not yet ended
+        self._live_training = 0  # of `_live`, the training groups (read every pass of the rollout loop)
         self._attempts: dict[str, int] = {}
         self._consecutive_failed = 0
         self._eval_groups: dict[str, int] = {}  # eval group -> the model version it evaluates
@@ -88,8 +89,7 @@ class GroupBook:
 
     def live_training_groups(self) -> int:
         """Training groups started and not yet consumed or ended: running, or ready in the buffer."""
-        running = sum(1 for members in self._live.values() if not members[0].is_eval)
-        return running + len(self.buffer.ready_groups())
+        return self._live_training + len(self.buffer.ready_groups())
 
     def start(self, task: Optional[dict] = None, is_eval: bool = False, prefix: str = "g") -> str:
         """Draw a task (unless given), open its group in the buffer and queue its members."""
@@ -98,6 +98,7 @@ class GroupBook:
         self.started += 1
         members = [TaskAssignment(task, gid, i, is_eval) for i in range(self.group_size)]
         self._live[gid] = members
+        self._live_training += not is_eval
         self.buffer.open_group(gid, task["task_id"], time.monotonic(), is_eval=is_eval)
         if not is_eval:
             self._unadmitted.add(gid)
@@ -135,7 +136,8 @@ class GroupBook:
     # -- ending -------------------------------------------------------------------------------
     def _end(self, gid: str) -> None:
         self._unadmitted.discard(gid)
-        self._live.pop(gid, None)
+        members = self._live.pop(gid, None)
+        self._live_training -= bool(members) and not members[0].is_eval
         self.placement.forget_group(gid)
         for tid, _ in self.placement.take_dropped_carries():  # handed over, never started again
             tokens, key = self.take_carry(tid)

@@ -139,6 +139,7 @@ class CTBScheduler:
         self._paused: "OrderedDict[Hashable, None]" = OrderedDict()
         self._holding_env = 0
         self._committed_train = 0  # unfinished tasks of started training groups, queued ones included
+        self._state_counts: Counter = Counter()  # tasks per state: the rollout loop reads them every pass
         self._now = 0.0
         """Time of the latest `schedule` call (the default time of events reported without one)."""
         self.latency = GroupLatency(config.latency_window, config.latency_quantile)
@@ -228,6 +229,7 @@ class CTBScheduler:
             self._committed_train += group.started and not group.is_eval
             self._seq += 1
             self._tasks[task.task_id] = TaskStatus(task, seq=self._seq)
+            self._state_counts[TaskState.QUEUED] += 1
 
     def on_turn_started(self, task_id: Hashable, context_tokens: int) -> None:
         """A turn begins generating with `context_tokens` in context (actual usage)."""
@@ -259,7 +261,8 @@ class CTBScheduler:
             group.probe_footprint = context_tokens if context_tokens is not None else st.footprint
         self._release_everything(st)
         self._committed_train -= not group.is_eval
-        st.state, st.active = TaskState.FINISHED, False
+        self._set_state(st, TaskState.FINISHED)
+        st.active = False
         group.finished += 1
         if group.finished == group.total and not group.is_eval and group.started_at is not None:
             self.latency.record(max(0.0, (self._now if now is None else now) - group.started_at))
@@ -271,7 +274,8 @@ class CTBScheduler:
         if st.state not in (TaskState.RUNNING, TaskState.PAUSED):
             raise ValueError(f"task {task_id!r} is {st.state.name}: only a running or paused task can fail")
         self._release_everything(st)
-        st.state, st.active = TaskState.FAILED, False
+        self._set_state(st, TaskState.FAILED)
+        st.active = False
 
     def requeue(self, task_id: Hashable) -> None:
         """Start a FAILED task, or a PAUSED one whose runner is gone, again from scratch.
@@ -285,7 +289,8 @@ class CTBScheduler:
         if st.state is TaskState.PAUSED:
             self._paused.pop(task_id)
             self._holding_env -= 1
-        st.state, st.active, st.needs_prefill = TaskState.QUEUED, False, False
+        self._set_state(st, TaskState.QUEUED)
+        st.active, st.needs_prefill = False, False
         st.context_tokens, st.reserved_tokens, st.turns_done, st.pauses, st.paused_on = None, 0, 0, 0, None
         self._groups[st.task.group_id].queued[task_id] = None
 
@@ -314,7 +319,8 @@ class CTBScheduler:
             self._paused.pop(tid, None)
             group.queued.pop(tid, None)
             self._committed_train -= group.started and not group.is_eval
-            st.state, st.active, st.paused_on = TaskState.CANCELLED, False, None
+            self._set_state(st, TaskState.CANCELLED)
+            st.active, st.paused_on = False, None
         return out
 
     def on_released(self, rank: int, task_id: Hashable) -> None:
@@ -350,7 +356,7 @@ class CTBScheduler:
         if any(self._tasks[t].releasing_on for t in group.members):
             raise ValueError(f"group {group_id!r} has cancelled tasks whose release is not confirmed yet")
         for tid in group.members:
-            del self._tasks[tid]
+            self._state_counts[self._tasks.pop(tid).state] -= 1
         del self._groups[group_id]
         return list(group.members)
 
@@ -605,7 +611,8 @@ class CTBScheduler:
         return best
 
     def _place(self, st: TaskStatus, rank: int) -> None:
-        st.state, st.rank, st.paused_on = TaskState.RUNNING, rank, None
+        self._set_state(st, TaskState.RUNNING)
+        st.rank, st.paused_on = rank, None
         pool = self._ranks[rank]
         pool.residents.add(st.task.task_id)
         pool.type_counts[st.task.task_type] += 1
@@ -641,7 +648,8 @@ class CTBScheduler:
         st.paused_on = None
 
     def _to_paused(self, st: TaskStatus, rank: Optional[int], now: float) -> None:
-        st.state, st.active, st.needs_prefill = TaskState.PAUSED, False, True
+        self._set_state(st, TaskState.PAUSED)
+        st.active, st.needs_prefill = False, True
         st.paused_on, st.paused_at = rank, now
         self._paused[st.task.task_id] = None
 
@@ -683,12 +691,18 @@ class CTBScheduler:
         return self._committed_train
 
     def counts(self) -> dict[str, int]:
-        c = Counter(st.state.value for st in self._tasks.values())
-        return {s.value: c.get(s.value, 0) for s in TaskState}
+        return {s.value: self._state_counts[s] for s in TaskState}
+
+    def _set_state(self, st: TaskStatus, state: TaskState) -> None:
+        self._state_counts[st.state] -= 1
+        st.state = state
+        self._state_counts[state] += 1
 
     def audit(self) -> list[str]:
         """Invariant violations (empty when healthy)."""
         problems = []
+        if +self._state_counts != Counter(st.state for st in self._tasks.values()):
+            problems.append("task counts per state drifted")
         resident_ids: set = set()
         for r, pool in self._ranks.items():
             types = Counter(self._tasks[t].task.task_type for t in pool.residents)

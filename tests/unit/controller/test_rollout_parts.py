@@ -149,6 +149,20 @@ def test_sequential_order_draws_the_tasks_in_turn_and_eval_groups_do_not_take_a_
     assert training == ["t0", "t1", "t2", "t0"] and groups.drawn == 4
 
 
+def test_live_training_groups_count_running_and_ready_training_groups_only():
+    groups, buffer, placement = _book(mode="async_static")
+    g0, g1, g2 = groups.start(), groups.start(), groups.start()
+    groups.submit_eval(0, TASKS, 1)
+    assert groups.live_training_groups() == 3
+    groups.give_up_if_live([g1, "no-such-group"], "test", time.monotonic())
+    assert groups.live_training_groups() == 2
+    for a in [a for a in placement.submitted if a.group_id == g0]:
+        groups.on_task_end(_traj(a), 0, time.monotonic())
+    assert g0 in {g.group_id for g in buffer.ready_groups()} and groups.live_training_groups() == 2
+    groups.give_up_if_live([g2], "test", time.monotonic())
+    assert groups.live_training_groups() == 1
+
+
 def test_random_order_draws_from_the_seeded_sampler():
     groups, _, placement = _book()
     for _ in range(12):
