@@ -84,7 +84,16 @@ class Mailbox:
             if not now:  # cleared: exactly `data` was taken
                 break
             data = now
+        unreadable = []
         for line in data.split(b"\n"):
-            if line:
+            if not line:
+                continue
+            try:
                 self._unreturned.append(decode(json.loads(line)))
-                self.received += 1
+            except (ValueError, TypeError, KeyError) as exc:  # the rest still comes out
+                unreadable.append(f"{type(exc).__name__}: {exc}")
+                continue
+            self.received += 1
+        if unreadable:
+            raise ValueError(f"rank {self.owner}: {len(unreadable)} unreadable control message(s), the first: "
+                             f"{unreadable[0]}")

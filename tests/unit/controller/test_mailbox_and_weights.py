@@ -242,6 +242,18 @@ def test_a_message_posted_between_the_read_and_the_clear_is_neither_lost_nor_rea
     assert [m.version for m in owner.poll()] == [1]
 
 
+def test_an_unreadable_message_is_named_and_the_others_still_come_out():
+    store = dist.HashStore()
+    sender = Mailbox(store, 1)
+    sender.post(0, PushWeights(0))
+    store.append("tide/mb/0/q", '{"kind":"no_such_kind","src":1}\n')
+    sender.post(0, PushWeights(1))
+    owner = Mailbox(store, 0)
+    with pytest.raises(ValueError, match="rank 0: 1 unreadable control message.*no_such_kind"):
+        owner.poll()
+    assert [m.version for m in owner.poll()] == [0, 1] and owner.received == 2
+
+
 def test_a_message_with_newlines_in_its_text_is_one_message():
     store = dist.HashStore()
     Mailbox(store, 1).post(0, CancelTask("g0v0/1", reason="line one\nline two"))
