@@ -120,17 +120,24 @@ class CompletedGroup:
     completed_at: float
     is_eval: bool = False
 
+    def __post_init__(self) -> None:
+        # A group is whole and final once completed; rank 0 reads these sums on every pass of
+        # its loop (step selection, RAS), so they are taken once here.
+        self._version = min(t.policy_version for t in self.trajectories)
+        self._generated = sum(t.generated_tokens for t in self.trajectories)
+        self._total = sum(t.total_tokens for t in self.trajectories)
+
     @property
     def policy_version(self) -> int:
-        return min(t.policy_version for t in self.trajectories)
+        return self._version
 
     @property
     def generated_tokens(self) -> int:
-        return sum(t.generated_tokens for t in self.trajectories)
+        return self._generated
 
     @property
     def total_tokens(self) -> int:
-        return sum(t.total_tokens for t in self.trajectories)
+        return self._total
 
     def __len__(self) -> int:
         return len(self.trajectories)
