@@ -70,13 +70,20 @@ class Message:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if isinstance(value, list):  # e.g. trajectories: each record as its JSON
-                value = [v.to_json() if hasattr(v, "to_json") else v for v in value]
-            out[f.name] = value.to_json() if hasattr(value, "to_json") else value
+                value = [_wire(v) for v in value]
+            out[f.name] = _wire(value)
         return out
 
     @classmethod
     def from_wire(cls, payload: dict[str, Any]) -> "Message":
         return cls(**payload)  # type: ignore[call-arg]
+
+
+def _wire(value: Any) -> Any:
+    """A field's JSON form: a trajectory packed (`Trajectory.to_wire`), other records by `to_json`."""
+    if isinstance(value, Trajectory):
+        return value.to_wire()
+    return value.to_json() if hasattr(value, "to_json") else value
 
 
 def decode(data: dict[str, Any]) -> Message:

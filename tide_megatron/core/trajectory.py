@@ -17,6 +17,9 @@ admission.
 
 from __future__ import annotations
 
+import base64
+import math
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional
 
@@ -32,6 +35,31 @@ def _shallow_copy(value: Any) -> Any:
     if isinstance(value, list):
         return list(value)
     return dict(value) if isinstance(value, dict) else value
+
+
+# The per-token lists on the wire: base64 of packed machine values (int32 token ids, one byte of
+# mask, float64 log-probs, so every value comes back exactly). Python's JSON writes and parses a
+# long list one element at a time (a float by its repr); packed, a 3,200-token trajectory
+# encodes ~5x and decodes ~2x faster at the same size, and rank 0 handles every trajectory twice.
+_PACKED = {"token_ids": "i", "loss_mask": "B", "logprobs": "d"}
+
+
+def _pack(values: list, typecode: str) -> Any:
+    try:
+        packed = array(typecode, values)
+    except (OverflowError, TypeError):  # a value the packed type cannot hold: the list as it is
+        return values
+    if typecode == "d" and not math.isfinite(sum(packed)):
+        return values  # NaN or inf: the list, which the mailbox's JSON refuses, as before
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def _unpack(value: Any, typecode: str) -> list:
+    if not isinstance(value, str):
+        return value
+    out = array(typecode)
+    out.frombytes(base64.b64decode(value))
+    return out.tolist()
 
 
 @dataclass(frozen=True)
@@ -150,8 +178,19 @@ class Trajectory:
         data["image_grid_thw"] = [list(g) for g in self.image_grid_thw]
         return data
 
+    def to_wire(self) -> dict[str, Any]:
+        """`to_json` with the per-token lists packed (what the mailbox carries; `from_json`
+        reads both forms)."""
+        data = self.to_json()
+        for name, typecode in _PACKED.items():
+            data[name] = _pack(data[name], typecode)
+        return data
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Trajectory":
         data = dict(data)
         data["segments"] = [Segment(int(a), int(b), int(v)) for a, b, v in data.get("segments", [])]
+        for name, typecode in _PACKED.items():
+            if name in data:
+                data[name] = _unpack(data[name], typecode)
         return cls(**data)

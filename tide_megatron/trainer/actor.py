@@ -36,6 +36,17 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _timed_logprobs(model, banned, device_time, micro_batch: MicroBatch) -> torch.Tensor:
+    """Per-token log-probs of `micro_batch` under `model`, the emulated device's forward time
+    booked when there is one. # [B, T]"""
+    started = time.perf_counter()
+    mb = micro_batch.to(_device())
+    out = forward_logprobs(model, mb.token_ids, mb.position_ids, banned, **mb.model_inputs())
+    if device_time is not None:
+        device_time.forward(mb.modelled_lengths, started)
+    return out
+
+
 class ReferenceModel:
     """A frozen GPTModel: forward-only per-token log-probs for the KL penalty."""
 
@@ -56,12 +67,7 @@ class ReferenceModel:
     @torch.no_grad()
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Reference log-probs of a micro-batch. # [B, T]"""
-        started = time.perf_counter()
-        mb = micro_batch.to(_device())
-        out = forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
-        if self.device_time is not None:
-            self.device_time.forward(mb.modelled_lengths, started)
-        return out
+        return _timed_logprobs(self.model, self.banned_token_ids, self.device_time, micro_batch)
 
     def attach_logprobs(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """Fill `ref_logprobs` of each micro-batch in place (colocated mode); returns them."""
@@ -190,12 +196,7 @@ class MegatronActor:
     @torch.no_grad()
     def logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Current-policy log-probs of a micro-batch, no gradient. # [B, T]"""
-        started = time.perf_counter()
-        mb = micro_batch.to(_device())
-        out = forward_logprobs(self.model, mb.token_ids, mb.position_ids, self.banned_token_ids, **mb.model_inputs())
-        if self.device_time is not None:
-            self.device_time.forward(mb.modelled_lengths, started)
-        return out
+        return _timed_logprobs(self.model, self.banned_token_ids, self.device_time, micro_batch)
 
     # ---- one optimizer step ------------------------------------------------------------
 
