@@ -319,6 +319,11 @@ def paper_scale(r: dict) -> str:
             f"{_num(goals['tide_over_best_static']['value'])}x, vs sync {_num(goals['tide_over_sync']['value'])}x")
 
 
+def trajectory_wire(r: dict) -> str:
+    return "; ".join(f"{x['trajectory']} ({x['tokens']} tokens): packed encode {x['encode_speedup']:.1f}x, decode "
+                     f"{x['decode_speedup']:.1f}x, size {x['size_ratio']:.2f}x of JSON lists" for x in r["rows"])
+
+
 # benchmark (its script's name) -> the headline figures of one of its records
 EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "e2e_goodput": e2e_goodput, "weight_sync": weight_sync, "sleep_on_idle": sleep_on_idle,
@@ -328,6 +333,7 @@ EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "ctb_rows": ctb_rows, "group_startup": group_startup, "role_transitions": role_transitions,
     "gpu_weight_sync": gpu_weight_sync, "gpu_trainer": gpu_trainer, "trainer_throughput": trainer_throughput,
     "control_plane": control_plane, "decision_latency": decision_latency, "paper_scale": paper_scale,
+    "trajectory_wire": trajectory_wire,
 }
 
 
