@@ -224,6 +224,7 @@ class GlobalBuffer:
         self.estimator = ReadinessEstimator(self.signals)
         self.records: dict[Hashable, GroupRecord] = {}
         self._pending: dict[Hashable, _PendingGroup] = {}
+        self._pending_done = 0  # finished trajectories of pending groups (rank 0 reads it every pass)
         # Insertion order == completion order, so iteration is oldest-first (FIFO).
         self._ready: OrderedDict[Hashable, CompletedGroup] = OrderedDict()
         self._ready_accounts: dict[Hashable, list[str]] = {}  # ready group -> its trajectories' accounts
@@ -285,6 +286,7 @@ class GlobalBuffer:
         self.ledger.produce(traj.generated_tokens - already, key=self._account(group, traj.index))
         group.recorded_tokens[traj.index] = traj.generated_tokens
         group.done[traj.index] = traj
+        self._pending_done += 1
         group.note_version(traj.policy_version)
         if len(group.done) < group.size:
             return None
@@ -293,6 +295,7 @@ class GlobalBuffer:
     def _complete(self, group: _PendingGroup, now: float,
                   consumer_version: Optional[int]) -> Optional[CompletedGroup]:
         del self._pending[group.group_id]
+        self._pending_done -= len(group.done)
         trajs = [group.done[i] for i in range(group.size)]
         for t, adv in zip(trajs, group_advantages([t.reward for t in trajs], self.config.advantage_eps)):
             t.advantage = adv
@@ -350,6 +353,7 @@ class GlobalBuffer:
     def _end_pending(self, group_id: Hashable, now: float, fate: GroupFate, consumer_version: int) -> int:
         group = self._require_pending(group_id)
         del self._pending[group_id]
+        self._pending_done -= len(group.done)
         tokens = group.in_flight_tokens
         for index, n in group.recorded_tokens.items():
             if fate is GroupFate.CANCELLED:
@@ -626,7 +630,7 @@ class GlobalBuffer:
         return list(self._pending)
 
     def pending_finished_trajectories(self) -> int:
-        return sum(len(g.done) for g in self._pending.values())
+        return self._pending_done
 
     def unconsumed_trajectories(self) -> int:
         """Finished trajectories not yet consumed or dropped (CTB's staleness throttle input)."""
@@ -643,6 +647,8 @@ class GlobalBuffer:
             problems.append("ledger.ready differs from the ready groups' tokens")
         if self.ledger.in_flight != sum(g.in_flight_tokens for g in self._pending.values()):
             problems.append("ledger.in_flight differs from the pending groups' tokens")
+        if self._pending_done != sum(len(g.done) for g in self._pending.values()):
+            problems.append("the count of finished pending trajectories differs from the pending groups'")
         for gid in self._completed_ids:
             in_ready, recorded = gid in self._ready, gid in self.records
             if in_ready == recorded:
