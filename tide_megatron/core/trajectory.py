@@ -1,7 +1,8 @@
 """The one trajectory record, from the rollout rank to the trainer.
 
 A rollout rank builds a `Trajectory` when a multi-turn task ends; the mailbox carries it as
-JSON (`to_json` / `from_json`); the global buffer keeps it as it is (it only sets
+JSON with its token lists packed (`to_wire`; files keep the plain lists of `to_json`, and
+`from_json` reads both); the global buffer keeps it as it is (it only sets
 `advantage` when the group completes); the trainer collates its token lists into tensors.
 Nothing converts it to another type on the way, so what was generated is what is trained.
 
@@ -38,9 +39,10 @@ def _shallow_copy(value: Any) -> Any:
 
 
 # The per-token lists on the wire: base64 of packed machine values (int32 token ids, one byte of
-# mask, float64 log-probs, so every value comes back exactly). Python's JSON writes and parses a
-# long list one element at a time (a float by its repr); packed, a 3,200-token trajectory
-# encodes ~5x and decodes ~2x faster at the same size, and rank 0 handles every trajectory twice.
+# mask, float64 log-probs, native byte order; every value comes back exactly). Python's JSON
+# writes and parses a long list one element at a time (a float by its repr); packed, a
+# 3,200-token trajectory's message encodes ~3x and decodes ~2.5x faster at ~1.2x the size
+# (benchmarks/trajectory_wire.py), and rank 0 decodes and encodes every trajectory once each.
 _PACKED = {"token_ids": "i", "loss_mask": "B", "logprobs": "d"}
 
 
