@@ -173,19 +173,20 @@ class Trajectory:
                    logprobs=[float(x) for x in logprobs], **fields)
 
     def to_json(self) -> dict[str, Any]:
-        # Shallow copies: `asdict` copied every element of the token lists one by one, and rank 0
-        # serialises each trajectory on its way to the trainer (a third of its control-plane CPU).
-        data = {f.name: _shallow_copy(getattr(self, f.name)) for f in fields(self) if f.name != "payload"}
-        data["segments"] = [[s.start, s.end, s.version] for s in self.segments]
-        data["image_grid_thw"] = [list(g) for g in self.image_grid_thw]
-        return data
+        return self._json(packed=False)
 
     def to_wire(self) -> dict[str, Any]:
         """`to_json` with the per-token lists packed (what the mailbox carries; `from_json`
         reads both forms)."""
-        data = self.to_json()
-        for name, typecode in _PACKED.items():
-            data[name] = _pack(data[name], typecode)
+        return self._json(packed=True)
+
+    def _json(self, packed: bool) -> dict[str, Any]:
+        # Shallow copies: `asdict` copied every element of the token lists one by one, and rank 0
+        # serialises each trajectory on its way to the trainer; packed lists are read, not copied.
+        data = {f.name: _pack(getattr(self, f.name), _PACKED[f.name]) if packed and f.name in _PACKED
+                else _shallow_copy(getattr(self, f.name)) for f in fields(self) if f.name != "payload"}
+        data["segments"] = [[s.start, s.end, s.version] for s in self.segments]
+        data["image_grid_thw"] = [list(g) for g in self.image_grid_thw]
         return data
 
     @classmethod
