@@ -43,9 +43,7 @@ def trajectory(n: int, generated_every: int, rng: random.Random, index: int) -> 
 
 def line(batch: list[Trajectory], packed: bool) -> str:
     """The mailbox's line for a micro-batch, with the trajectories in one wire form."""
-    body = TrainMicroBatch(batch).to_wire()
-    if not packed:
-        body["trajectories"] = [t.to_json() for t in batch]
+    body = TrainMicroBatch(batch).to_wire() if packed else {"trajectories": [t.to_json() for t in batch]}
     return json.dumps({"kind": TrainMicroBatch.KIND, "src": 0, **body}, separators=(",", ":"), allow_nan=False)
 
 
