@@ -41,7 +41,7 @@ def _shallow_copy(value: Any) -> Any:
 # The per-token lists on the wire: base64 of packed machine values (int32 token ids, one byte of
 # mask, float64 log-probs, native byte order; every value comes back exactly). Python's JSON
 # writes and parses a long list one element at a time (a float by its repr); packed, a
-# 3,200-token trajectory's message encodes ~3x and decodes ~2.5x faster at ~1.2x the size
+# 3,200-token trajectory's message encodes ~2.5x and decodes ~2x faster at ~1.2x the size
 # (benchmarks/trajectory_wire.py), and rank 0 decodes and encodes every trajectory once each.
 _PACKED = {"token_ids": "i", "loss_mask": "B", "logprobs": "d"}
 
