@@ -49,8 +49,8 @@ REPORT_KEY = "tide_ctb"
 """meta_info key of the per-request CTB report."""
 
 DECODE_COUNTERS = ("decode_iterations", "decode_s", "decode_seqs", "decode_seq_s", "decode_floor_iterations",
-                   "decode_floor_s")
-"""The report's cumulative decode counters (rank 0's rollout service takes their differences)."""
+                   "decode_floor_s", "batch_s")
+"""The report's cumulative batch counters (rank 0's rollout service takes their differences)."""
 
 
 @dataclass
@@ -84,6 +84,9 @@ class SchedulerCTBState:
     decode_floor_iterations: int = 0
     """Of the decode iterations, those with a batch of one."""
     decode_floor_s: float = 0.0
+    batch_s: float = 0.0
+    """Seconds of every batch (prefill, decode, mixed) whose result was processed: the time the
+    engine computed, the rest it had nothing to run (ERS's `rollout_busy_s`)."""
     last_result_done: Optional[float] = None
     """`time.monotonic()` when the previous batch's result processing ended (any mode)."""
     hooks_called: dict[str, int] = field(default_factory=dict)
@@ -317,20 +320,20 @@ def after_process_batch_result(_none, scheduler, batch, *args, **kwargs):
       GPU or the CPU, whichever is slower. The first decode after an idle spell starts at its
       own launch. Limit: a long intake step between two busy overlapped iterations (a weight
       load without pausing generation) is counted in one iteration's time.
-    Only decode batches count (`forward_mode.is_decode()`); prefill, mixed and speculative
-    verify batches do not, but their result processing still moves the previous end.
+    Only decode batches count as decode (`forward_mode.is_decode()`); every batch, prefill,
+    mixed and speculative verify included, counts in `batch_s`, the engine's busy time.
     """
     done = time.monotonic()  # the clock of `batch.launch_ts` (set in `Scheduler.run_batch`)
     prev_done, STATE.last_result_done = STATE.last_result_done, done
     mode = getattr(batch, "forward_mode", None)
     launched = getattr(batch, "launch_ts", None)
-    if mode is None or launched is None or not mode.is_decode():
+    if mode is None or launched is None:
         return None
+    seconds = max(0.0, done - (launched if prev_done is None else max(launched, prev_done)))
+    STATE.batch_s += seconds
     size = len(batch.reqs)
-    if size == 0:
-        return None
-    start = launched if prev_done is None else max(launched, prev_done)
-    STATE.record_decode(size, max(0.0, done - start))
+    if size and mode.is_decode():
+        STATE.record_decode(size, seconds)
     return None
 
 

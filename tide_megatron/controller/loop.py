@@ -282,7 +282,7 @@ class Controller:
             arrival_tokens_per_s=est.arrival_tokens_per_s, decode_iteration_s=window["decode_iteration_s"],
             decode_floor_s=window["decode_floor_s"], mean_decode_batch=window["mean_decode_batch"],
             decode_seq_s=window["decode_seq_s"], tasks_in_flight_s=window["tasks_in_flight_s"],
-            rollout_resized=self.roles.rollout_resized)
+            rollout_busy_s=window["rollout_busy_s"], rollout_resized=self.roles.rollout_resized)
 
     def _arrival_estimate(self) -> Optional[float]:
         """Trainer-work tokens made ready per second (smoothed over steps); None before any."""

@@ -27,7 +27,7 @@ SAMPLE_S = 0.1
 
 def _empty_window() -> dict[str, float]:
     return {"fresh_tokens": 0, "eval_tokens": 0, "slots_full_s": 0.0, "kv_share_s": 0.0, "kv_s": 0.0,
-            "tasks_s": 0.0, "decode_iterations": 0, "decode_s": 0.0, "decode_seq_s": 0.0}
+            "tasks_s": 0.0, "decode_iterations": 0, "decode_s": 0.0, "decode_seq_s": 0.0, "batch_s": 0.0}
 
 
 class RolloutMeter:
@@ -85,7 +85,7 @@ class RolloutMeter:
         if rank not in self.quarantine.serving:
             return
         diff = dict(zip(DECODE_COUNTERS, (a - b for a, b in zip(now, prev[1])) if same else now))
-        for f in ("decode_iterations", "decode_s", "decode_seq_s"):
+        for f in ("decode_iterations", "decode_s", "decode_seq_s", "batch_s"):
             self._window[f] += diff[f]
         self._floor[0] += diff["decode_floor_iterations"]
         self._floor[1] += diff["decode_floor_s"]
@@ -100,7 +100,8 @@ class RolloutMeter:
         seconds / iterations); `mean_decode_batch`, the time-averaged sequences per iteration
         (sum of batch size x seconds / seconds, as the simulator's); `decode_seq_s`, that sum;
         `decode_floor_s`, the mean batch-of-one iteration of the whole run so far (rare under
-        load, so not per window).
+        load, so not per window); `rollout_busy_s`, the seconds the engines ran batches of any
+        kind, summed over the ranks.
         Each is 0 when nothing was measured (no CTB report yet, or no batch of one): ERS then
         reads decode as unslowed. The window lags by up to a turn (the counters travel in the
         plugin's report at each turn's end)."""
@@ -113,5 +114,5 @@ class RolloutMeter:
                 "kv_used_fraction": w["kv_share_s"] / w["kv_s"] if w["kv_s"] else 0.0,
                 "decode_iteration_s": w["decode_s"] / w["decode_iterations"] if w["decode_iterations"] else 0.0,
                 "mean_decode_batch": w["decode_seq_s"] / w["decode_s"] if w["decode_s"] > 0 else 0.0,
-                "decode_seq_s": w["decode_seq_s"], "tasks_in_flight_s": w["tasks_s"],
+                "decode_seq_s": w["decode_seq_s"], "tasks_in_flight_s": w["tasks_s"], "rollout_busy_s": w["batch_s"],
                 "decode_floor_s": floor_s / floor_n if floor_n else 0.0}

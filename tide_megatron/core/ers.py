@@ -27,7 +27,12 @@ measures; nothing comes from a hardware model) and:
    with ranks to spare. Deciding on the shares measured before the change instead would act
    twice on evidence a plan has already acted on.
 2. Target. With N ranks, the split where delivery matches consumption is
-   R* = N r_t / (r_t + r_r) rollout ranks.
+   R* = N r_t / (r_t + r_r) rollout ranks. That holds while rollout is bound by its ranks.
+   Its engines' busy share e (the time they ran a prefill or decode batch, over the ranks'
+   time) says whether it is: an engine with nothing to run waits for work (every task on its
+   env, or none admitted), which a rank more does not bring. So rollout's predicted delivery on
+   R ranks is R r_r / e (the work per busy rank-second), capped at today's delivery when e is
+   below `busy_headroom`.
 3. Censored delivery. While the staleness throttle keeps the admission slots full, Rollout
    delivers what it is allowed to, not what it could; counting only the time admission was
    open, and what was delivered then, corrects r_r for short throttled spells (while open, a
@@ -57,9 +62,16 @@ measures; nothing comes from a hardware model) and:
      slow the decode: when env waits fill the trajectories, a rank moved to rollout only waits
      on the env with the others;
    - otherwise the split is held (the window and the env, not the ranks, bound the pipeline).
+   Whether the window is full or not, a trainer that did not starve gets a block when the
+   engines' busy share, scaled to one block fewer (e R / (R - b)), stays below
+   `busy_headroom` and KV has room: the ranks left absorb the work in time their engines idled.
+   Without it, a trainer-bound run with idle engines held its split whenever decode batches
+   were large (the small-batch test above), or grew rollout from a delivery rate that the
+   supply of work, not the ranks, had set; on random workloads in the simulator this left
+   TIDE up to 28% below the best fixed split.
 4. Deadband and rate limit. Within `max_moves_per_step` ranks of the current split (the
    paper's one trainer rank per step) and the minimum sizes, the split with the highest
-   predicted throughput min(R r_r, (N - R) r_t) is chosen, and only if it beats the current
+   predicted throughput min(R r_r / e (capped as in 2), (N - R) r_t) is chosen, and only if it beats the current
    split's prediction by the relative deadband (a rank is indivisible: R* = 6.4 may be served
    best by 6 or by 7, so the prediction, not |R* - R|, decides).
 5. RA2P mode. The trainer's ranks are laid out by RA2P's cost model (`trainer_layout`): all
@@ -136,6 +148,12 @@ class ERSConfig:
     kv_headroom: float = 0.9
     """Rollout can absorb one rank's load when its KV use, scaled by R/(R-1), stays below this
     share of the budget (CTB's budget is below the physical pool already)."""
+    busy_headroom: float = 0.9
+    """Rollout whose engines computed less than this share of their time was limited by its
+    supply of work (admission, env waits), not by its ranks: a rank more would deliver no more,
+    and a block fewer costs nothing while the busy share, scaled by R/(R-b), stays below it
+    (module docstring, 2 and 3). Below 1, so the short gaps between a rank's turns do not read
+    as spare ranks."""
     reclaim: str = "least_loaded"
     """Which rollout rank joins the trainer: "least_loaded" (fewest resident tokens, the least
     work re-dispatched) or "lowest" (the lowest id, so the trainer stays a prefix of the ranks,
@@ -171,7 +189,7 @@ class ERSConfig:
             raise ValueError("decode_slowdown must be >= 0")
         if self.failed_move_hold_steps < 0 or self.payoff_windows < 1:
             raise ValueError("failed_move_hold_steps must be >= 0 and payoff_windows >= 1")
-        for name in ("slots_full_fraction", "starved_fraction", "kv_headroom"):
+        for name in ("slots_full_fraction", "starved_fraction", "kv_headroom", "busy_headroom"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
 
@@ -222,6 +240,10 @@ class ERSMeasurements:
     tasks_in_flight_s: float = 0.0
     """Task-seconds on the rollout ranks: the time-integral of the tasks placed there, whether
     decoding, queued, paused or waiting on their env (0: not measured)."""
+    rollout_busy_s: float = 0.0
+    """Rank-seconds in which the rollout ranks' engines ran a batch (prefill or decode), summed
+    over the ranks; the rest of their time they had nothing to compute (every task waiting on
+    its env, or none placed). 0: not measured (the rollout is then read as always busy)."""
     rollout_resized: bool = False
     """The rollout ranks changed as the window opened (a move, a loan's start or end, with work
     in flight): its delivery and shares mix the two splits, so only the trainer's rate is read."""
@@ -245,12 +267,19 @@ class ERSMeasurements:
         excess = min(self.decode_seq_s, self.tasks_in_flight_s) * (1.0 - 1.0 / s)
         return self.tasks_in_flight_s / (self.tasks_in_flight_s - excess)
 
+    @property
+    def rollout_busy_share(self) -> float:
+        """Share of the rollout ranks' time their engines computed (1.0 when not measured)."""
+        if self.rollout_busy_s <= 0 or self.rollout_ranks <= 0:
+            return 1.0
+        return min(1.0, self.rollout_busy_s / (self.window_s * self.rollout_ranks))
+
     def __post_init__(self) -> None:
         if self.window_s <= 0 or self.trainer_ranks < 0 or self.rollout_ranks < 0:
             raise ValueError("window_s must be > 0 and rank counts >= 0")
         if min(self.trainer_busy_s, self.trainer_starved_s, self.trained_tokens, self.fresh_tokens,
                self.eval_tokens, self.slots_full_s, self.kv_used_fraction, self.decode_seq_s,
-               self.tasks_in_flight_s) < 0:
+               self.tasks_in_flight_s, self.rollout_busy_s) < 0:
             raise ValueError("measurements must be >= 0")
 
 
@@ -410,7 +439,8 @@ class ERSController:
         new = {"full_share": min(1.0, m.slots_full_s / m.window_s),
                "starved_share": min(1.0, m.trainer_starved_s / m.window_s),
                "busy_share": min(1.0, m.trainer_busy_s / m.window_s),
-               "kv_used_fraction": m.kv_used_fraction, "decode_slowdown": m.decode_slowdown,
+               "kv_used_fraction": m.kv_used_fraction, "rollout_busy_share": m.rollout_busy_share,
+               "decode_slowdown": m.decode_slowdown,
                "trajectory_slowdown": m.trajectory_slowdown}
         old = self.shares or new
         self.shares = {k: ewma(old[k], v) for k, v in new.items()}
@@ -420,14 +450,17 @@ class ERSController:
         cfg = self.config
         sh = self.shares
         starved = sh["starved_share"] >= cfg.starved_fraction
-        if sh["full_share"] >= cfg.slots_full_fraction:
-            room = r_now >= 2 and sh["kv_used_fraction"] * r_now / (r_now - 1) <= cfg.kv_headroom
-            decode = (f"decode at {sh['decode_slowdown']:.2f}x its floor, trajectories at "
-                      f"{sh['trajectory_slowdown']:.2f}x theirs")
-            if not starved and room and sh["decode_slowdown"] <= 1 + cfg.decode_slowdown:
-                return self._move(r_now, -1), None, (
-                    f"rollout over-provisioned: admission window full {sh['full_share']:.0%} of the step, "
-                    f"{decode}, KV at {sh['kv_used_fraction']:.0%}, trainer starved {sh['starved_share']:.0%}")
+        full = sh["full_share"] >= cfg.slots_full_fraction
+        b = cfg.rank_block
+        room = r_now > b and sh["kv_used_fraction"] * r_now / (r_now - b) <= cfg.kv_headroom
+        spare = r_now > b and sh["rollout_busy_share"] * r_now / (r_now - b) <= cfg.busy_headroom
+        decode = (f"decode at {sh['decode_slowdown']:.2f}x its floor, trajectories at "
+                  f"{sh['trajectory_slowdown']:.2f}x theirs, engines busy {sh['rollout_busy_share']:.0%}")
+        if not starved and room and (spare or (full and sh["decode_slowdown"] <= 1 + cfg.decode_slowdown)):
+            return self._move(r_now, -1), None, (
+                f"rollout over-provisioned: admission window full {sh['full_share']:.0%} of the step, "
+                f"{decode}, KV at {sh['kv_used_fraction']:.0%}, trainer starved {sh['starved_share']:.0%}")
+        if full:
             keeps_up = self._trainer_keeps_up(r_now)
             if starved and sh["trajectory_slowdown"] > 1 + cfg.deadband and keeps_up >= 1.0:
                 return self._move(r_now, +1), None, (
@@ -439,19 +472,22 @@ class ERSController:
             return r_now, None, "rates not measured yet"
         r_t, r_r, n = self.trainer_rate, self.rollout_rate, self.world_size
         target = n * r_t / (r_t + r_r)
+        busy = sh["rollout_busy_share"]
+        # work per busy rank-second; an engine idle for want of work caps delivery at today's
+        supply = r_now * r_r if busy < cfg.busy_headroom else math.inf
 
         def predicted(r: int) -> float:
-            return min(r * r_r, (n - r) * r_t)
+            return min(r * r_r / busy, supply, (n - r) * r_t)
 
-        b = cfg.rank_block
         options = sorted({r_now + j * b for j in range(-cfg.max_moves_per_step, cfg.max_moves_per_step + 1)
                           if self._clamp_rollout(r_now + j * b) == r_now + j * b} | {r_now},
                          key=lambda r: (-predicted(r), abs(r - r_now)))
         best = options[0]
         if predicted(best) <= predicted(r_now) * (1 + cfg.deadband):
             best = r_now
-        return best, target, (f"balance: trainer {r_t:.0f} tok/rank-s, rollout {r_r:.0f} tok/rank-s -> "
-                              f"R* = {target:.1f}; predicted {predicted(r_now):.0f} -> {predicted(best):.0f} tok/s")
+        return best, target, (f"balance: trainer {r_t:.0f} tok/rank-s, rollout {r_r:.0f} tok/rank-s "
+                              f"(engines busy {busy:.0%}) -> R* = {target:.1f}; "
+                              f"predicted {predicted(r_now):.0f} -> {predicted(best):.0f} tok/s")
 
     def _trainer_keeps_up(self, r_now: int) -> float:
         """The trainer's capacity with one block fewer over the throughput it delivered: time

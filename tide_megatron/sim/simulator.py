@@ -80,8 +80,8 @@ class Window:
     trainer_ranks: int
     rollout_ranks: int
     rollout_stats: tuple
-    """(kv_token_s, decode_s, batch_seq_s, iterations, live trajectory-seconds) of the cluster at
-    the window's start."""
+    """(kv_token_s, decode_s, batch_seq_s, iterations, live trajectory-seconds, idle rank-seconds)
+    of the cluster at the window's start."""
     trained_tokens: int = 0
     busy_s: float = 0.0
     starved_s: float = 0.0
@@ -520,13 +520,16 @@ class Simulator:
 
     def _rollout_totals(self) -> tuple:
         st = self.cluster.total_stats()
-        return st.kv_token_s, st.decode_s, st.batch_seq_s, st.iterations, self.cluster.live_s_at(self.loop.now)
+        now = self.loop.now
+        return (st.kv_token_s, st.decode_s, st.batch_seq_s, st.iterations, self.cluster.live_s_at(now),
+                self.cluster.idle_s_at(now))
 
     def _measurements(self) -> ERSMeasurements:
         self._slots_changed()  # close the running slots-full interval
         w, est = self.window, self.buffer.estimate()
-        kv, dec, seq, iters, live = (a - b for a, b in zip(self._rollout_totals(), w.rollout_stats))
+        kv, dec, seq, iters, live, idle = (a - b for a, b in zip(self._rollout_totals(), w.rollout_stats))
         span = max(1e-9, self.loop.now - w.start)
+        busy = max(0.0, span * w.rollout_ranks - idle)  # prefill and decode (pauses too)
         return ERSMeasurements(
             window_s=span, trainer_ranks=w.trainer_ranks, trainer_busy_s=min(span, w.busy_s),
             trainer_starved_s=min(span, w.starved_s), trained_tokens=w.trained_tokens,
@@ -536,7 +539,7 @@ class Simulator:
             ras_tokens=est.ras_tokens, arrival_tokens_per_s=est.arrival_tokens_per_s,
             decode_iteration_s=dec / iters if iters > 0 else 0.0, decode_floor_s=self.hw.decode_base_s(1),
             mean_decode_batch=seq / dec if dec > 0 else 0.0, decode_seq_s=seq, tasks_in_flight_s=live,
-            rollout_resized=w.rollout_resized)
+            rollout_busy_s=busy, rollout_resized=w.rollout_resized)
 
     def _ers_boundary(self, step: int, eval_next: bool) -> float:
         """Plan after the actor update; roles switch with the weight sync. Returns the stall."""

@@ -97,6 +97,8 @@ def check_decode_iterations_are_timed_in_the_scheduler(stack):
     assert second["decode_iterations"] >= first["decode_iterations"] + 7  # cumulative
     assert second["decode_floor_s"] > first["decode_floor_s"]
     assert second["decode_seq_s"] >= second["decode_floor_s"]
+    # busy time: the decode iterations and the request's prefill (booked before the decode)
+    assert first["batch_s"] > first["decode_s"] and second["batch_s"] > second["decode_s"]
 
     async def together():
         tags = [TaskTag(ADMIT, f"decode/b{i}", "decode", False, 1.0, 64, 32) for i in range(4)]

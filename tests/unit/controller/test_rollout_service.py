@@ -565,11 +565,13 @@ def test_ers_counts_delivery_only_while_admission_is_open(store, tasks_per_rank)
         rank.stop.set()
 
 
-def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100):
-    """A finished turn's plugin report with the engine's cumulative decode counters."""
+def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100, batch_s=None):
+    """A finished turn's plugin report with the engine's cumulative decode counters (its busy
+    time `batch_s` twice its decode time unless given)."""
     return TurnEvent("g0/0", "finished", 10, report={
         "pid": pid, "decode_iterations": iterations, "decode_s": seconds, "decode_seqs": 0, "decode_seq_s": seq_s,
-        "decode_floor_iterations": floor_n, "decode_floor_s": floor_s})
+        "decode_floor_iterations": floor_n, "decode_floor_s": floor_s,
+        "batch_s": 2 * seconds if batch_s is None else batch_s})
 
 
 def _window_after(svc, store, *turns):
@@ -591,13 +593,13 @@ def test_ers_window_takes_differences_of_the_ranks_cumulative_decode_counters(st
                       (2, _decode_turn(10, 0.5, 2.0, pid=200)))
     assert w["decode_iteration_s"] == pytest.approx(0.7 / 20)
     assert w["mean_decode_batch"] == pytest.approx(2.2 / 0.7) and w["decode_seq_s"] == pytest.approx(2.2)
-    assert w["decode_floor_s"] == pytest.approx(0.02)
+    assert w["decode_floor_s"] == pytest.approx(0.02) and w["rollout_busy_s"] == pytest.approx(1.4)
     # Next window: rank 1 ran 10 more (batch 8, 0.1 s each), then an older report of its
     # scheduler arrives late (skipped); rank 2's engine restarted (a new scheduler process):
     # its new values are the difference.
     w = _window_after(svc, store, (1, _decode_turn(20, 1.2, 8.2, floor_n=10, floor_s=0.2)),
                       (1, _decode_turn(15, 0.7, 4.2, floor_n=10, floor_s=0.2)), (2, _decode_turn(5, 0.5, 1.0, pid=201)))
-    assert w["decode_iteration_s"] == pytest.approx(1.5 / 15)
+    assert w["decode_iteration_s"] == pytest.approx(1.5 / 15) and w["rollout_busy_s"] == pytest.approx(3.0)
     assert w["mean_decode_batch"] == pytest.approx(9.0 / 1.5)
     assert w["decode_floor_s"] == pytest.approx(0.02)  # the run's floor, not this window's
     # A new scheduler whose counters already exceed the old ones is still a restart (its pid).

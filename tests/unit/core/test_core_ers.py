@@ -31,12 +31,12 @@ def plan_of(roles, mode=RA2PMode.COLOCATED):
 
 def measure(*, trainer, rollout, trained=10_000, busy=10.0, starved=0.0, fresh=10_000, eval_tokens=0,
             slots_full=0.0, kv=0.2, window=10.0, ras=0.0, rate=0.0, slowdown=1.0, decode_seq=0.0, tasks=0.0,
-            rollout_resized=False):
+            rollout_busy=0.0, rollout_resized=False):
     return ERSMeasurements(window_s=window, trainer_ranks=trainer, trainer_busy_s=busy, trainer_starved_s=starved,
                            trained_tokens=trained, rollout_ranks=rollout, fresh_tokens=fresh, eval_tokens=eval_tokens,
                            slots_full_s=slots_full, kv_used_fraction=kv, ras_tokens=ras, arrival_tokens_per_s=rate,
                            decode_iteration_s=0.01 * slowdown, decode_floor_s=0.01, decode_seq_s=decode_seq,
-                           tasks_in_flight_s=tasks, rollout_resized=rollout_resized)
+                           tasks_in_flight_s=tasks, rollout_busy_s=rollout_busy, rollout_resized=rollout_resized)
 
 
 def controller(world, **kw):
@@ -159,6 +159,48 @@ def test_throttled_rollout_with_small_batches_and_busy_trainer_is_over_provision
     # or with decode already slowed by its batches: a rank less would slow every trajectory
     p = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=8.0, kv=0.1, slowdown=1.6), TIMES, step=0)
     assert not p.changed
+
+
+def test_idle_engines_under_a_busy_trainer_give_a_block_whatever_the_decode_batches():
+    """Engines that computed half their time had nothing to run the other half: with the
+    trainer never starved, a block leaves rollout, throttled or not, even with decode slowed
+    by its batches (the window-full rule's small-batch test would keep it)."""
+    cur = plan_of([AR] * 4 + [R] * 4)
+    for slots_full in (0.0, 8.0):
+        p = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=slots_full, slowdown=1.6,
+                                            rollout_busy=20.0), TIMES, step=0)
+        assert len(p.rollout_ranks) == 3 and "engines busy 50%" in p.reason
+    # busy 70%: the three left would compute 93% of their time, above the 90% headroom
+    p = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=8.0, slowdown=1.6, rollout_busy=28.0),
+                           TIMES, step=0)
+    assert not p.changed and "staleness bound" in p.reason
+    # a starved trainer keeps its demand on rollout: idle engines are no reason to shrink it
+    p = controller(8).plan(cur, measure(trainer=4, rollout=4, slots_full=8.0, starved=5.0, busy=5.0, slowdown=1.01,
+                                        rollout_busy=20.0), TIMES, step=0)
+    assert not p.changed
+
+
+def test_a_rollout_idle_for_want_of_work_is_not_grown_by_the_rates():
+    """Rollout three times slower per rank than the trainer asks for more ranks by the rates
+    (R* = 6 of 8); but its engines computed 60% of the time: the work, not the ranks, limited
+    its delivery, so a rank more is predicted to deliver no more and the split is held."""
+    cur = plan_of([AR] * 4 + [R] * 4)
+    starved = dict(trainer=4, rollout=4, fresh=3_333, trained=3_333, busy=3.3, starved=6.7)
+    grown = controller(8).plan(cur, measure(**starved), TIMES, step=0)
+    assert len(grown.rollout_ranks) == 5  # not measured: read as always busy, as before
+    held = controller(8).plan(cur, measure(**starved, rollout_busy=24.0), TIMES, step=0)
+    assert not held.changed and "engines busy 60%" in held.reason
+    assert held.extras["target_rollout_ranks"] == pytest.approx(6.0, abs=0.05)
+
+
+def test_busy_share_is_read_from_the_rollout_ranks_time():
+    assert measure(trainer=4, rollout=4).rollout_busy_share == 1.0  # not measured
+    assert measure(trainer=4, rollout=4, rollout_busy=10.0).rollout_busy_share == pytest.approx(0.25)
+    assert measure(trainer=4, rollout=4, rollout_busy=50.0).rollout_busy_share == 1.0
+    with pytest.raises(ValueError):
+        measure(trainer=4, rollout=4, rollout_busy=-1.0)
+    with pytest.raises(ValueError):
+        ERSConfig(busy_headroom=0.0)
 
 
 def test_throttled_and_starved_grows_rollout_only_when_batching_slows_the_trajectories():

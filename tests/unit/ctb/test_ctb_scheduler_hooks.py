@@ -170,6 +170,8 @@ def test_decode_timing_counts_decode_batches_only_from_launch_or_the_previous_re
     assert s.decode_s == pytest.approx(0.4 + 0.75 + 1.0)
     assert s.decode_seq_s == pytest.approx(0.4 + 2 * 0.75 + 1.0)
     assert (s.decode_floor_iterations, s.decode_floor_s) == (2, pytest.approx(1.4))
+    # every batch is busy time: the prefill (9.0 -> 10.0) and the empty one (11.3 -> 11.5) too
+    assert s.batch_s == pytest.approx(1.0 + 0.4 + 0.75 + 0.2 + 1.0)
 
 
 def test_the_report_carries_the_cumulative_decode_counters():
@@ -179,10 +181,11 @@ def test_the_report_carries_the_cumulative_decode_counters():
 
     h.STATE.record_decode(1, 0.02)
     h.STATE.record_decode(4, 0.05)
+    h.STATE.batch_s = 0.1
     tagged = _req(_tag(TURN, "a/0", 1.0))
     r = Req(rid=tagged.rid, origin_input_ids=[1] * 4, output_ids=[2], customized_info=None)
     h.before_stream_output(SimpleNamespace(tree_cache=None), [r], False)
     (report,) = r.customized_info[h.REPORT_KEY]
     assert {k: report[k] for k in h.DECODE_COUNTERS} == pytest.approx(
         {"decode_iterations": 2, "decode_s": 0.07, "decode_seqs": 5, "decode_seq_s": 0.22,
-         "decode_floor_iterations": 1, "decode_floor_s": 0.02})
+         "decode_floor_iterations": 1, "decode_floor_s": 0.02, "batch_s": 0.1})
