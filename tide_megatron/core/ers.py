@@ -71,9 +71,9 @@ measures; nothing comes from a hardware model) and:
    TIDE up to 28% below the best fixed split.
 4. Deadband and rate limit. Within `max_moves_per_step` ranks of the current split (the
    paper's one trainer rank per step) and the minimum sizes, the split with the highest
-   predicted throughput min(R r_r / e (capped as in 2), (N - R) r_t) is chosen, and only if it beats the current
-   split's prediction by the relative deadband (a rank is indivisible: R* = 6.4 may be served
-   best by 6 or by 7, so the prediction, not |R* - R|, decides).
+   predicted throughput min(R r_r / e (capped as in 2), (N - R) r_t) is chosen, and only if
+   it beats the current split's prediction by the relative deadband (a rank is indivisible:
+   R* = 6.4 may be served best by 6 or by 7, so the prediction, not |R* - R|, decides).
 5. RA2P mode. The trainer's ranks are laid out by RA2P's cost model (`trainer_layout`): all
    colocated, or decoupled with dedicated Ref ranks, whichever the model finds faster for the
    measured ready backlog and arrival rate (both in tokens).
