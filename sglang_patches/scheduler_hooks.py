@@ -97,6 +97,10 @@ class SchedulerCTBState:
     def count(self, hook: str) -> None:
         self.hooks_called[hook] = self.hooks_called.get(hook, 0) + 1
 
+    def record_batch(self, seconds: float) -> None:
+        """A batch of any kind (prefill, decode, mixed) ran for `seconds`."""
+        self.batch_s += seconds
+
     def record_decode(self, batch_size: int, seconds: float, iterations: int = 1) -> None:
         """`iterations` decode iterations of `batch_size` sequences, `seconds` in all."""
         self.decode_iterations += iterations
@@ -330,7 +334,7 @@ def after_process_batch_result(_none, scheduler, batch, *args, **kwargs):
     if mode is None or launched is None:
         return None
     seconds = max(0.0, done - (launched if prev_done is None else max(launched, prev_done)))
-    STATE.batch_s += seconds
+    STATE.record_batch(seconds)
     size = len(batch.reqs)
     if size and mode.is_decode():
         STATE.record_decode(size, seconds)

@@ -384,7 +384,7 @@ class EmulatedEngine:
 
     async def _prefill(self, batch: list[_Request]) -> None:
         seconds = await self._device(sum(self.cost.prefill_s(r.tokens() - r.prefix, r.prefix) for r in batch))
-        self._state.batch_s += seconds * self.emulation.dilation
+        self._state.record_batch(seconds * self.emulation.dilation)
         for req in batch:  # a prefill samples each request's first token
             self._advance(req, 1)
             if req.out >= req.answer:
@@ -419,7 +419,7 @@ class EmulatedEngine:
             done += 1
         if elapsed > passed:  # finish the iteration in flight, as SGLang does
             await self._device(elapsed - passed)
-        self._state.batch_s += max(elapsed, passed) * self.emulation.dilation
+        self._state.record_batch(max(elapsed, passed) * self.emulation.dilation)
         if done:
             self._state.record_decode(n, elapsed * self.emulation.dilation, done)
         for req in list(self._running):
