@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Iterator
 
@@ -89,6 +90,21 @@ def spawned_rank(rank: int, world: int, port: int, threads: int = 1) -> Iterator
         raise
     finally:
         destroy_parallel()
+
+
+def spawn_ranks(scenario, world: int, *args) -> None:
+    """Run `scenario(rank, *args)` in `world` processes of one job on this machine, each inside
+    `spawned_rank` on a fresh port; returns when all have ended, raises when one failed.
+    `scenario` must be a module-level function (spawn pickles it by name)."""
+    from tide_megatron.utils.net import free_port
+
+    torch.multiprocessing.spawn(_run_spawned, args=(scenario, world, free_port(), args), nprocs=world, join=True)
+
+
+def _run_spawned(rank: int, scenario, world: int, port: int, args: tuple) -> None:
+    warnings.filterwarnings("ignore")  # Megatron's CPU-path deprecation noise in every child
+    with spawned_rank(rank, world, port):
+        scenario(rank, *args)
 
 
 def megatron_transformer_config(cfg: ModelConfig, tp: int = 1, bf16: bool = False, recompute: str = "none",

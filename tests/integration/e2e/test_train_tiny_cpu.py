@@ -3,29 +3,24 @@ errors a user gets for bad input. Two ranks: rank 0 trains (and controls), rank 
 
 from __future__ import annotations
 
-import subprocess
+import functools
 from pathlib import Path
 
 import pytest
 
-from tide_megatron.testing import read_metrics, run_job
+from tide_megatron.testing import checked_job, read_metrics, run_job
 from tide_megatron.utils.net import free_port
 
 pytestmark = pytest.mark.integration
 
 FAST = ["scheduler.groups_per_step=2", "scheduler.group_size=2", "rollout.runner.max_turns=4"]
 
-
-def torchrun(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return run_job(*overrides, recipe="tiny_cpu", timeout=timeout)
+torchrun = functools.partial(run_job, recipe="tiny_cpu", timeout=600)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("tiny") / "run"
-    proc = torchrun(f"run.output_dir={run_dir}", "run.steps=2", "run.checkpoint_interval=1", *FAST)
-    assert proc.returncode == 0, proc.stderr[-8000:]
-    return run_dir
+    return checked_job(tmp_path_factory.mktemp("tiny") / "run", *FAST, recipe="tiny_cpu", steps=2, timeout=600)
 
 
 def test_run_writes_metrics_every_step(trained):
@@ -52,8 +47,7 @@ def test_run_writes_metrics_every_step(trained):
 
 def test_checkpoints_and_resume(trained):
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    proc = torchrun(f"run.output_dir={trained}", "run.steps=3", "run.resume=true", *FAST)
-    assert proc.returncode == 0, proc.stderr[-8000:]
+    checked_job(trained, "run.resume=true", *FAST, recipe="tiny_cpu", steps=3, timeout=600)
     assert [r["step"] for r in read_metrics(trained)] == [1, 2, 3]
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000003"
 

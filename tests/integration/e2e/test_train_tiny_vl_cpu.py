@@ -6,28 +6,20 @@ start-up, screenshots of the GUI desktop through SGLang, the Megatron Qwen3-VL t
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tide_megatron.testing import read_metrics, run_job
+from tide_megatron.testing import checked_job, read_metrics
 
 pytestmark = pytest.mark.integration
 
 FAST = ["scheduler.groups_per_step=2", "scheduler.group_size=4", "rollout.runner.max_turns=3"]
 
 
-def torchrun(*overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return run_job(*overrides, recipe="tiny_vl_cpu", timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("tiny_vl") / "run"
-    proc = torchrun(f"run.output_dir={run_dir}", "run.steps=2", "run.checkpoint_interval=1", *FAST)
-    assert proc.returncode == 0, proc.stderr[-8000:]
-    return run_dir
+    return checked_job(tmp_path_factory.mktemp("tiny_vl") / "run", *FAST, recipe="tiny_vl_cpu", steps=2, timeout=900)
 
 
 def test_the_run_writes_a_vision_language_checkpoint(trained):
@@ -51,6 +43,5 @@ def test_steps_train_on_screenshots_and_count_their_tokens(trained):
 
 def test_resume_continues_from_the_checkpoint(trained):
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    proc = torchrun(f"run.output_dir={trained}", "run.steps=3", "run.resume=true", *FAST)
-    assert proc.returncode == 0, proc.stderr[-8000:]
+    checked_job(trained, "run.resume=true", *FAST, recipe="tiny_vl_cpu", steps=3, timeout=900)
     assert [r["step"] for r in read_metrics(trained)] == [1, 2, 3]

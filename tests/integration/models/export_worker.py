@@ -17,12 +17,10 @@ import argparse
 import dataclasses
 import json
 import os
-import warnings
 import zlib
 
 import torch
 
-from tide_megatron.utils.net import free_port
 
 PERTURB_STD = 0.02
 
@@ -92,14 +90,6 @@ def scenario(rank: int, tp: int, cases: list[tuple[str, str, str, str]]) -> None
         del actor
 
 
-def _worker(rank: int, world: int, tp: int, port: int, cases: list) -> None:
-    warnings.filterwarnings("ignore")
-    from tide_megatron.models.megatron_gpt import spawned_rank
-
-    with spawned_rank(rank, world, port):
-        scenario(rank, tp, cases)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=1)
@@ -107,8 +97,9 @@ def main() -> None:
     parser.add_argument("--case", nargs=4, action="append", required=True,
                         metavar=("NAME", "HF_DIR", "INPUTS", "RUN_DIR"))
     args = parser.parse_args()
-    torch.multiprocessing.spawn(_worker, args=(args.world, args.tp, free_port(), args.case),
-                                nprocs=args.world, join=True)
+    from tide_megatron.models.megatron_gpt import spawn_ranks
+
+    spawn_ranks(scenario, args.world, args.tp, args.case)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ streaming. Each Actor rank writes OUT_DIR/rank{r}.pt.
 
 from __future__ import annotations
 
-import argparse
 import os
-import traceback
 import warnings
 from datetime import timedelta
 
 import torch
 
+from tide_megatron.testing import worker_args
 from tide_megatron.utils.net import free_port
 
 MODEL_KWARGS = dict(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
@@ -182,21 +181,18 @@ def ref_scenario(hf_dir: str, stream) -> None:
 
 def _worker(rank: int, ports: tuple[int, int], hf_dir: str, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from tide_megatron.models.megatron_gpt import destroy_parallel, init_parallel
+    from tide_megatron.models.megatron_gpt import init_parallel, spawned_rank
     from tide_megatron.trainer.ra2p import LogprobStream
 
     actor_port, stream_port = ports
     world = NUM_ACTORS + 1
     is_ref = rank == NUM_ACTORS
-    try:
-        if is_ref:  # the Ref rank's own world
+    with spawned_rank(rank, NUM_ACTORS, actor_port):  # the actors' world; the Ref rank has its own
+        if is_ref:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         else:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(actor_port), RANK=str(rank),
-                              WORLD_SIZE=str(NUM_ACTORS), LOCAL_RANK=str(rank))
             dist.init_process_group("gloo", rank=rank, world_size=NUM_ACTORS)
         init_parallel(tp_size=1, seed=0)
         store = dist.TCPStore("127.0.0.1", stream_port, world, is_master=rank == 0,
@@ -209,20 +205,10 @@ def _worker(rank: int, ports: tuple[int, int], hf_dir: str, out_dir: str) -> Non
             torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         stream.group.barrier().wait()  # keep the store's host alive until everyone is done
         stream.close()
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        destroy_parallel()
-
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = worker_args(paths=("hf",))
     torch.multiprocessing.spawn(_worker, args=((free_port(), free_port()), args.hf, args.out),
                                 nprocs=NUM_ACTORS + 1, join=True)
 

@@ -9,31 +9,25 @@ process asserts on it (Megatron's CPU shims stay out of the pytest process).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 
+from tide_megatron.testing import tiny_checkpoint, worker_args
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
+    args = worker_args()
 
     from tide_megatron.envs.client import EnvClient
     from tide_megatron.envs.config import EnvConfig, EnvServerConfig
     from tide_megatron.envs.server_process import EnvServerProcess
     from tide_megatron.models.config import ModelConfig
-    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
     from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
     from tide_megatron.rollout.task_runner import TaskAssignment, TaskRunner, TaskRunnerConfig
     from tide_megatron.rollout.worker import build_chat
-    from tide_megatron.tokenizer import write_tokenizer
 
-    tok_dir = write_tokenizer(os.path.join(args.out, "tok"), kind="tiny_bpe")
-    ckpt = write_random_hf_checkpoint(os.path.join(args.out, "hf"), ModelConfig(vocab_size=3072), seed=0,
-                                      tokenizer_dir=tok_dir)
+    ckpt = tiny_checkpoint(args.out, vocab_size=3072)
     results: dict = {}
     with EnvServerProcess(EnvServerConfig(envs=[EnvConfig(name="door_game")])) as server:
         engine = RolloutEngine(RolloutEngineConfig(max_total_tokens=8192, max_running_requests=16), ckpt)

@@ -10,7 +10,6 @@ measured goes to a JSON file; the test process asserts on it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -61,11 +60,11 @@ class ImageEnv:
         return SimpleNamespace(observation=f"Step {turn}.", reward=reward, done=done,
                                info={"episode_return": reward}, image_data=[] if done else self._images(task, turn))
 
+from tide_megatron.testing import worker_args
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = worker_args()
 
     import torch
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tide_megatron.testing import run_report
+from tide_megatron.testing import report_fixture
 
 pytestmark = pytest.mark.integration
 
@@ -17,9 +17,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "rollout_sync_worker.py")
 LOGPROB_ATOL = 1e-4  # fp32; SGLang torch_native attention vs Megatron local attention
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    return run_report(WORKER, tmp_path_factory.mktemp("rollout_sync"), timeout=900)
+report = report_fixture(WORKER, timeout=900)
 
 
 def test_trajectories_are_consistent_token_records(report):

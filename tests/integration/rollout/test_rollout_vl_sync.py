@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tide_megatron.testing import run_report
+from tide_megatron.testing import report_fixture
 
 pytestmark = pytest.mark.integration
 
@@ -16,9 +16,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "rollout_vl_worker.py")
 LOGPROB_ATOL = 1e-4  # fp32; SGLang torch_native attention + sdpa vision vs Megatron local attention
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    return run_report(WORKER, tmp_path_factory.mktemp("rollout_vl_sync"), timeout=1200)
+report = report_fixture(WORKER, timeout=1200)
 
 
 def test_trajectories_keep_expanded_image_pads_and_their_images(report):

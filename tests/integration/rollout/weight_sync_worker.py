@@ -23,11 +23,10 @@ import argparse
 import json
 import os
 import time
-import warnings
 
 import torch
 
-from tide_megatron.utils.net import free_port
+from tide_megatron.testing import tiny_checkpoint
 
 MODEL_KWARGS = dict(vocab_size=3072, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     ffn_hidden_size=128)
@@ -135,29 +134,17 @@ def scenario(rank: int, world: int, tp: int, ckpt: str, out: str, path: str = "h
         worker.engine.shutdown()
 
 
-def _worker(rank: int, world: int, tp: int, port: int, ckpt: str, out: str, path: str) -> None:
-    warnings.filterwarnings("ignore")
-    from tide_megatron.models.megatron_gpt import spawned_rank
-
-    with spawned_rank(rank, world, port):
-        scenario(rank, world, tp, ckpt, out, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--path", choices=("host", "broadcast"), default="host")
     args = parser.parse_args()
-    from tide_megatron.models.config import ModelConfig
-    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
-    from tide_megatron.tokenizer import write_tokenizer
+    from tide_megatron.models.megatron_gpt import spawn_ranks
 
-    tok = write_tokenizer(os.path.join(args.out, "tok"), kind="tiny_bpe")
-    ckpt = write_random_hf_checkpoint(os.path.join(args.out, "hf"), ModelConfig(**MODEL_KWARGS), seed=0,
-                                      tokenizer_dir=tok)
+    ckpt = tiny_checkpoint(args.out, **MODEL_KWARGS)
     world = args.tp + ROLLOUT
-    torch.multiprocessing.spawn(_worker, args=(world, args.tp, free_port(), ckpt, args.out, args.path), nprocs=world, join=True)
+    spawn_ranks(scenario, world, world, args.tp, ckpt, args.out, args.path)
 
 
 if __name__ == "__main__":

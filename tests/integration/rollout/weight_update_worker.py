@@ -8,16 +8,15 @@ trainer under both weight versions, per segment; the JSON report holds what the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 
+from tide_megatron.testing import tiny_checkpoint, worker_args
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = worker_args()
 
     import torch
 
@@ -26,16 +25,12 @@ def main() -> None:
     from tide_megatron.envs.config import EnvConfig, EnvServerConfig, LatencyConfig
     from tide_megatron.envs.server_process import EnvServerProcess
     from tide_megatron.models.config import ModelConfig
-    from tide_megatron.models.hf_checkpoint import write_random_hf_checkpoint
     from tide_megatron.rollout.ctb_task_runner import CTBTaskRunner, TaskHandle
     from tide_megatron.rollout.engine import RolloutEngine, RolloutEngineConfig
     from tide_megatron.rollout.task_runner import TaskRunnerConfig
     from tide_megatron.rollout.worker import build_chat
-    from tide_megatron.tokenizer import write_tokenizer
 
-    tok_dir = write_tokenizer(os.path.join(args.out, "tok"), kind="tiny_bpe")
-    ckpt = write_random_hf_checkpoint(os.path.join(args.out, "hf"), ModelConfig(vocab_size=3072), seed=0,
-                                      tokenizer_dir=tok_dir)
+    ckpt = tiny_checkpoint(args.out, vocab_size=3072)
     slow = LatencyConfig(enabled=True, reset_median_s=0.0, step_median_s=1.5, step_sigma=0.0, task_speed_sigma=0.0,
                          slow_step_prob=0.0)
     report: dict = {}

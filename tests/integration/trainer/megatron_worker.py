@@ -9,15 +9,13 @@ per run keeps the suite fast: most of a run is imports.
 
 from __future__ import annotations
 
-import argparse
 import os
 import threading
-import warnings
 
 import torch
 
 from packed_copy import packed_like
-from tide_megatron.utils.net import free_port
+from tide_megatron.testing import worker_args
 
 MODEL_KWARGS = dict(vocab_size=2048, hidden_size=64, num_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, ffn_hidden_size=128)
@@ -179,26 +177,17 @@ def scenario(rank: int, tp: int, hf_dir: str, out_dir: str) -> dict:
     return results
 
 
-def _worker(rank: int, world: int, tp: int, port: int, hf_dir: str, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    from tide_megatron.models.megatron_gpt import spawned_rank
-
-    with spawned_rank(rank, world, port):
-        results = scenario(rank, tp, hf_dir, out_dir)
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, "results.pt"))
+def _rank(rank: int, tp: int, hf_dir: str, out_dir: str) -> None:
+    results = scenario(rank, tp, hf_dir, out_dir)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--hf", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.multiprocessing.spawn(_worker, args=(args.world, args.tp, free_port(), args.hf, args.out),
-                                nprocs=args.world, join=True)
+    from tide_megatron.models.megatron_gpt import spawn_ranks
+
+    args = worker_args("world", "tp", paths=("hf",))
+    spawn_ranks(_rank, args.world, args.tp, args.hf, args.out)
 
 
 if __name__ == "__main__":

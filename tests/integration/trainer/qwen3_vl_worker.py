@@ -11,17 +11,14 @@ GRPO steps, gradients, the weights converted back to HF, and a checkpoint round 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import traceback
-import warnings
 
 import torch
 
 from packed_copy import packed_like
-from tide_megatron.utils.net import free_port
+from tide_megatron.testing import worker_args
 
 
 def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str) -> dict:
@@ -91,37 +88,19 @@ def scenario(rank: int, tp: int, hf_dir: str, records: list[dict], out_dir: str)
     return results
 
 
-def _worker(rank: int, world: int, tp: int, port: int, hf_dir: str, records_path: str, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        with open(records_path) as f:
-            records = json.load(f)
-        results = scenario(rank, tp, hf_dir, records, out_dir)
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, "results.pt"))
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        from tide_megatron.models.megatron_gpt import destroy_parallel
-
-        destroy_parallel()
+def _rank(rank: int, tp: int, hf_dir: str, records_path: str, out_dir: str) -> None:
+    with open(records_path) as f:
+        records = json.load(f)
+    results = scenario(rank, tp, hf_dir, records, out_dir)
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--hf", required=True)
-    parser.add_argument("--records", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.multiprocessing.spawn(_worker, args=(args.world, args.tp, free_port(), args.hf, args.records, args.out),
-                                nprocs=args.world, join=True)
+    from tide_megatron.models.megatron_gpt import spawn_ranks
+
+    args = worker_args("world", "tp", paths=("hf", "records"))
+    spawn_ranks(_rank, args.world, args.tp, args.hf, args.records, args.out)
 
 
 if __name__ == "__main__":

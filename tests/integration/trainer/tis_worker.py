@@ -10,16 +10,14 @@ recomputed or not, ordinary or loss-in-backward, padded or packed.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import warnings
 
 import torch
 
 from megatron_worker import MODEL_KWARGS, _grads, _max_abs, _max_diff, make_trajectories
 from packed_copy import packed_like
-from tide_megatron.utils.net import free_port
+from tide_megatron.testing import worker_args
 
 NOISE = 0.4  # std of the simulated rollout-vs-trainer log-prob gap (large, so the cap of 2 binds)
 MISMATCH_KEYS = ("mismatch_abs", "mismatch_kl", "tis_clip_frac")
@@ -104,21 +102,15 @@ def scenario(hf_dir: str) -> dict:
     return results
 
 
-def _worker(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
-    warnings.filterwarnings("ignore")
-    from tide_megatron.models.megatron_gpt import spawned_rank
-
-    with spawned_rank(rank, 1, port):
-        torch.save(scenario(hf_dir), os.path.join(out_dir, "results.pt"))
+def _rank(rank: int, hf_dir: str, out_dir: str) -> None:
+    torch.save(scenario(hf_dir), os.path.join(out_dir, "results.pt"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.multiprocessing.spawn(_worker, args=(free_port(), args.hf, args.out), nprocs=1, join=True)
+    from tide_megatron.models.megatron_gpt import spawn_ranks
+
+    args = worker_args(paths=("hf",))
+    spawn_ranks(_rank, 1, args.hf, args.out)
 
 
 if __name__ == "__main__":

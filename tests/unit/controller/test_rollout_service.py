@@ -7,6 +7,7 @@ SGLang."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -156,16 +157,26 @@ def wait_batch(svc, timeout=20.0):
     return got
 
 
+@contextlib.contextmanager
+def serving(store, rank_kwargs: dict, mode="async_static", **service_kwargs):
+    """Rollout rank 1 (a `FakeRank` of `rank_kwargs`) and a service over it, both stopped after."""
+    rank = FakeRank(store, 1, **rank_kwargs)
+    rank.start()
+    svc = make_service(store, mode, **service_kwargs)
+    try:
+        yield svc, rank
+    finally:
+        svc.stop()
+        rank.stop.set()
+
+
 @pytest.fixture
 def store():
     return dist.HashStore()
 
 
 def test_async_mode_admits_within_the_staleness_bound_and_books_consumption(store):
-    rank = FakeRank(store, 1, delay_s=0.05)
-    rank.start()
-    svc = make_service(store)
-    try:
+    with serving(store, dict(delay_s=0.05)) as (svc, _):
         batch, ras, hol = wait_batch(svc)
         assert batch.num_trajectories == 2 * G and all(len(g) == G for g in batch.groups)
         # (max_staleness + 1) x groups_per_step groups may be live; never more were started.
@@ -173,16 +184,11 @@ def test_async_mode_admits_within_the_staleness_bound_and_books_consumption(stor
         assert svc.call(svc.groups.live_training_groups) <= 4
         led = svc.call(svc.ledger_snapshot)
         assert led["consumed"] == 2 * G * 5 and led["lost"] == 0
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_a_failed_task_is_retried_and_its_tokens_booked_as_failed(store):
-    rank = FakeRank(store, 1, fate=lambda tid, attempt: "fail" if tid.endswith("/1") and attempt == 0 else "ok")
-    rank.start()
-    svc = make_service(store, mode="sync")
-    try:
+    with serving(store, dict(fate=lambda tid, attempt: "fail" if tid.endswith("/1") and attempt == 0 else "ok"),
+                 mode="sync") as (svc, rank):
         svc.call(lambda: svc.request_groups(2))
         batch, _, _ = wait_batch(svc)
         assert batch.num_trajectories == 2 * G
@@ -190,91 +196,58 @@ def test_a_failed_task_is_retried_and_its_tokens_booked_as_failed(store):
         assert len(retried) == 2  # member 1 of each group, once
         led = svc.call(svc.ledger_snapshot)
         assert led["failed"] == 2 * 5 and led["consumed"] == 2 * G * 5
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_a_group_failing_past_its_retries_is_given_up_and_replaced_never_trained_partially(store):
-    rank = FakeRank(store, 1, fate=lambda tid, attempt: "fail" if tid.startswith("g0v0/0") else "ok")
-    rank.start()
-    svc = make_service(store, mode="sync", retries=1)
-    try:
+    with serving(store, dict(fate=lambda tid, attempt: "fail" if tid.startswith("g0v0/0") else "ok"),
+                 mode="sync", retries=1) as (svc, _):
         svc.call(lambda: svc.request_groups(2))
         batch, _, _ = wait_batch(svc)
         ids = {g.group_id for g in batch.groups}
         assert "g0v0" not in ids and len(ids) == 2  # a replacement group filled the batch
         assert svc.call(lambda: dict(svc.counters))["groups_failed"] == 1
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_a_vanished_task_shows_up_as_lost_tokens(store):
-    rank = FakeRank(store, 1, fate=lambda tid, attempt: "vanish" if tid == "g1v0/0" else "ok")
-    rank.start()
-    svc = make_service(store, mode="sync", stall_s=60.0)
-    try:
+    with serving(store, dict(fate=lambda tid, attempt: "vanish" if tid == "g1v0/0" else "ok"),
+                 mode="sync", stall_s=60.0) as (svc, _):
         svc.call(lambda: svc.request_groups(3))
         deadline = time.monotonic() + 10
         while svc.call(svc.ledger_snapshot)["lost"] == 0:
             assert time.monotonic() < deadline, "the ledger never noticed the vanished task"
             time.sleep(0.05)
         assert svc.call(svc.ledger_snapshot)["lost"] == 5
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_a_stuck_env_stops_the_run_within_the_stall_bound_naming_what_waits(store):
-    rank = FakeRank(store, 1, fate=lambda tid, attempt: "hang")
-    rank.start()
-    svc = make_service(store, mode="sync", stall_s=0.6)
-    try:
+    with serving(store, dict(fate=lambda tid, attempt: "hang"), mode="sync", stall_s=0.6) as (svc, _):
         svc.call(lambda: svc.request_groups(1))
         started = time.monotonic()
         with pytest.raises(RunError, match=r"no token generated.*env step.*request placement: 0 queued; running: rank 1: 2"):
             wait_batch(svc, timeout=20)
         assert time.monotonic() - started < 10  # bounded: the stall bound plus polling, not the batch timeout
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_a_silent_rank_is_named(store):
-    rank = FakeRank(store, 1, beat=False, delay_s=100.0)
-    rank.start()
-    svc = make_service(store, mode="sync", heartbeat_timeout_s=0.5)
-    try:
+    with serving(store, dict(beat=False, delay_s=100.0), mode="sync", heartbeat_timeout_s=0.5) as (svc, _):
         svc.call(lambda: svc.request_groups(1))
         with pytest.raises(RunError, match="rollout rank 1 sent nothing"):
             wait_batch(svc, timeout=20)
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_a_dead_rollout_side_wakes_a_trainer_blocked_on_arrivals(store):
-    rank = FakeRank(store, 1, fate=lambda tid, attempt: "hang")
-    rank.start()
-    svc = make_service(store, mode="stream", stall_s=0.6)
-    source = ArrivingSource(3, timeout_s=60, health=svc.check)
-    try:
+    with serving(store, dict(fate=lambda tid, attempt: "hang"), mode="stream", stall_s=0.6) as (svc, _):
+        source = ArrivingSource(3, timeout_s=60, health=svc.check)
         svc.call(lambda: svc.stream_into(source, 3, lambda g: source.put(g)))
         started = time.monotonic()
         with pytest.raises(SourceError):
             source.take_ready(1)
         assert time.monotonic() - started < 10
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_doomed_groups_are_cancelled_at_once_and_their_tokens_wasted(store):
-    rank = FakeRank(store, 1, fate=lambda tid, attempt: "hang" if tid.startswith("g0v0") else "ok")
-    rank.start()
-    svc = make_service(store, mode="async_static")
-    try:
+    with serving(store, dict(fate=lambda tid, attempt: "hang" if tid.startswith("g0v0") else "ok"),
+                 mode="async_static") as (svc, rank):
         wait_batch(svc)
         svc.call(lambda: svc.close_step())
         svc.call(lambda: svc.set_version(1))
@@ -287,9 +260,6 @@ def test_doomed_groups_are_cancelled_at_once_and_their_tokens_wasted(store):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert svc.call(lambda: dict(svc.counters))["groups_cancelled"] >= 1
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def _until(what: str, cond, timeout_s: float = 10.0) -> None:
@@ -508,18 +478,12 @@ def test_a_move_needs_a_rank_in_service(store):
 
 
 def test_the_run_stops_when_no_rollout_rank_is_left(store):
-    rank = FakeRank(store, 1, delay_s=100.0)
-    rank.start()
-    svc = make_service(store, mode="sync", heartbeat_timeout_s=0.5)
-    try:
+    with serving(store, dict(delay_s=100.0), mode="sync", heartbeat_timeout_s=0.5) as (svc, rank):
         _until("the rank", lambda: svc.call(lambda: len(svc.engines)) == 1)
         rank.frozen.set()
         svc.call(lambda: svc.request_groups(1))
         with pytest.raises(RunError, match=r"rollout rank 1 sent nothing.*0 rollout rank\(s\) left in service"):
             wait_batch(svc, timeout=20)
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def test_the_kv_use_and_tasks_ers_reads_are_time_weighted_and_sampled_at_most_every_tenth_of_a_second(store):
@@ -550,19 +514,14 @@ def test_ers_counts_delivery_only_while_admission_is_open(store, tasks_per_rank)
     slots stay full and the groups completing then are what the throttle allowed, not what
     Rollout can, so ERS's window counts none of them. With room for one group at a time
     (G tasks), the next group waits for the rank: admission is open, and what completes counts."""
-    rank = FakeRank(store, 1, delay_s=0.2)
-    rank.start()
-    svc = make_service(store, mode="tide", groups_per_step=1, tasks_per_rank=tasks_per_rank)
-    try:
+    with serving(store, dict(delay_s=0.2), mode="tide", groups_per_step=1,
+                 tasks_per_rank=tasks_per_rank) as (svc, _):
         _until("a group ready", lambda: svc.call(lambda: len(svc.buffer.ready_groups())) >= 1)
         window = svc.call(svc.ers_window)
         if tasks_per_rank == 8:
             assert window["fresh_tokens"] == 0 and window["slots_full_s"] > 0
         else:
             assert window["fresh_tokens"] >= G * (3 + 5)  # the slots fill once the second group is on the rank
-    finally:
-        svc.stop()
-        rank.stop.set()
 
 
 def _decode_turn(iterations, seconds, seq_s, floor_n=0, floor_s=0.0, pid=100, batch_s=None):
