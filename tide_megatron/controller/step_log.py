@@ -149,7 +149,9 @@ class StepLog:
                            # `ras` above counts the log's unit; these count the decision's micro-batch
                            "ra2p/ras": outcome.choice.ras, "ra2p/micro_batches": outcome.choice.micro_batches,
                            **{f"ra2p/latency_factor_{m.value}": f
-                              for m, f in self.trainer.selector.correction.ratios.items()}})
+                              for m, f in self.trainer.selector.correction.ratios.items()},
+                           **{f"ra2p/latency_deviation_{m.value}": d
+                              for m, d in self.trainer.selector.correction.deviations.items()}})
         topo, end = self.trainer.topo, self.timeline.now()
         decoupled = outcome.mode is RA2PMode.DECOUPLED
         self.timeline.step(TimelineStep(

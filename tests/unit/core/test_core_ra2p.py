@@ -246,6 +246,42 @@ def test_a_mode_whose_latency_ran_long_stops_winning_near_ties():
     assert flipped.mode is RA2PMode.COLOCATED and flipped.cost_decoupled == c.cost_decoupled
 
 
+def test_decoupled_wins_only_a_lead_larger_than_the_measured_error():
+    from tide_megatron.core import LatencyCorrection
+
+    cfg = RA2PConfig(tokens_per_rank=1000, swap_cost_s=1.0, pipeline_fill_s=0.0)
+    kw = dict(ras_tokens=20_000, arrival_tokens_per_s=4000.0, step_tokens=80_000, times=TIMES, cfg=cfg)
+    plain = trainer_layout(8, **kw)
+    lead = plain.latency_colocated_s / plain.latency_decoupled_s - 1.0
+    assert plain.mode is RA2PMode.DECOUPLED and 0.0 < lead < 0.1
+    # colocated steps measured on average as predicted, but single steps strayed by more than
+    # decoupled's lead: decoupled, never run, is taken to be no better known, and loses
+    erratic = LatencyCorrection(alpha=0.5)
+    erratic.observe(RA2PMode.COLOCATED, 10.0, 10.0 * (1 + 2 * lead))
+    erratic.observe(RA2PMode.COLOCATED, 10.0, 10.0 * (1 - 2 * lead))
+    assert erratic.factor(RA2PMode.COLOCATED) == pytest.approx(1.0)
+    assert erratic.deviation(RA2PMode.DECOUPLED) == erratic.deviation(RA2PMode.COLOCATED) > lead
+    assert trainer_layout(8, correction=erratic, **kw).mode is RA2PMode.COLOCATED
+    # the same average with steps that stray less than the lead: the model's choice stands
+    steady = LatencyCorrection(alpha=0.5)
+    steady.observe(RA2PMode.COLOCATED, 10.0, 10.0 * (1 + lead / 8))
+    steady.observe(RA2PMode.COLOCATED, 10.0, 10.0 * (1 - lead / 8))
+    assert trainer_layout(8, correction=steady, **kw).mode is RA2PMode.DECOUPLED
+
+
+def test_latency_deviation_is_smoothed_from_the_models_own_error():
+    from tide_megatron.core import LatencyCorrection
+
+    c = LatencyCorrection(alpha=0.5)
+    assert c.deviation(RA2PMode.COLOCATED) == 0.0  # nothing measured: the model alone
+    c.observe(RA2PMode.COLOCATED, 10.0, 12.0)  # 0.2 from the model alone (factor 1)
+    assert c.deviation(RA2PMode.COLOCATED) == pytest.approx(0.2)
+    c.observe(RA2PMode.COLOCATED, 10.0, 12.0)  # on the smoothed ratio: no error
+    assert c.deviation(RA2PMode.COLOCATED) == pytest.approx(0.1)
+    c.observe(RA2PMode.DECOUPLED, 10.0, 10.5)
+    assert c.deviation(RA2PMode.DECOUPLED) == pytest.approx(0.05)  # measured: its own
+
+
 def test_latency_correction_smooths_and_ignores_what_it_cannot_judge():
     from tide_megatron.core import LatencyCorrection
 

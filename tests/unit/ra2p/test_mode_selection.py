@@ -112,6 +112,7 @@ def test_a_chosen_mode_that_ran_over_its_prediction_loses_the_next_close_call():
     again = _choose(selector, 16, 0.0, 16)
     assert again.mode is RA2PMode.COLOCATED and again.cost_decoupled == pytest.approx(burst.cost_decoupled)
     assert selector.summary()["latency_factors"]["decoupled"] > 1.0
+    assert selector.summary()["latency_deviations"]["decoupled"] > 0.0
     # a choice made on the configured priors teaches nothing about the model's error
     unmeasured = _selector(CostMeter())
     first = _choose(unmeasured, 16, 0.0, 16)

@@ -74,7 +74,8 @@ class ModeSelector:
         times, ra2p_cfg = self.cost_inputs()
         out = dict(dataclasses.asdict(times), swap_cost_s=ra2p_cfg.swap_cost_s,
                    measured=sorted(self.meter.values),
-                   latency_factors={m.value: f for m, f in self.correction.ratios.items()})
+                   latency_factors={m.value: f for m, f in self.correction.ratios.items()},
+                   latency_deviations={m.value: d for m, d in self.correction.deviations.items()})
         if self.last is not None:
             out.update(mode=self.last.mode.value, cost_decoupled=self.last.cost_decoupled,
                        cost_colocated=self.last.cost_colocated, break_even_ras=self.last.break_even_ras,
