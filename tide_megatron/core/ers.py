@@ -76,7 +76,8 @@ measures; nothing comes from a hardware model) and:
    R* = 6.4 may be served best by 6 or by 7, so the prediction, not |R* - R|, decides).
 5. RA2P mode. The trainer's ranks are laid out by RA2P's cost model (`trainer_layout`): all
    colocated, or decoupled with dedicated Ref ranks, whichever the model finds faster for the
-   measured ready backlog and arrival rate (both in tokens).
+   measured ready backlog and arrival rate (both in tokens), a lead within the model's measured
+   error counting as a tie (`LatencyCorrection`, the same rule as the trainer's own choice).
 6. Payoff check (`failed_move_hold_steps`, `payoff_windows`). Every rule above predicts what a
    move gains; none measures what it costs (the rank's stall loading the training state, the
    handed-over tasks' re-prefill, decode batching on the ranks left). So a move is judged by
