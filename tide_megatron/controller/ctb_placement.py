@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
@@ -46,9 +47,12 @@ class MailboxCarrier:
 
     def __init__(self, mailbox: Mailbox):
         self.mailbox = mailbox
+        self.dispatched_to: Counter[int] = Counter()
+        """Tasks started (or handed over) on each rank so far."""
 
     def admit(self, rank: int, assignment: TaskAssignment, tag: Optional[TagFields],
               carry: Optional[dict] = None) -> None:
+        self.dispatched_to[rank] += 1
         self.mailbox.post(rank, RunTask(assignment, tag.to_json() if tag is not None else None, carry))
 
     def pause(self, rank: int, task_id: str) -> None:
@@ -72,7 +76,8 @@ class CTBPlacement:
             cfg.ctb.policy, task_max_turns=cfg.rollout.runner.max_turns, max_staleness=sched.max_staleness,
             trainer_batch_trajectories=sched.groups_per_step * sched.group_size))
         self._resources = RankResources(engine.max_total_tokens, engine.max_running_requests)
-        self.dispatcher = CTBDispatcher(ctb_cfg, MailboxCarrier(mailbox), {r: self._resources for r in sorted(ranks)})
+        self._carrier = MailboxCarrier(mailbox)
+        self.dispatcher = CTBDispatcher(ctb_cfg, self._carrier, {r: self._resources for r in sorted(ranks)})
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when CTB admits a group's first task (its admission, for staleness)."""
         self._started_groups: set[str] = set()
@@ -82,6 +87,10 @@ class CTBPlacement:
     @property
     def stats(self) -> dict[str, int]:
         return {**self.dispatcher.stats, **self.budget_tokens}
+
+    @property
+    def dispatched_to(self) -> Counter[int]:
+        return self._carrier.dispatched_to
 
     def submit(self, assignments: Iterable[TaskAssignment], *, front: bool = False) -> None:
         del front  # P(t) orders tasks: evaluation tasks first through I_eval

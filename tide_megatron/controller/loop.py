@@ -158,8 +158,10 @@ class Controller:
             if loan:
                 self.log.roles_moved()
             if self.version > 0 or loan:  # resumed: the engines still hold the initial weights; lent
-                # ranks enter rollout service with these weights
-                self._push_weights(wait=self.version > 0)
+                # ranks enter rollout service with these weights. A mode that places its whole
+                # batch at once waits for them: placed before they load, every task of the first
+                # step would go to the ranks that rolled out from the start.
+                self._push_weights(wait=self.version > 0 or not self.mode.continuous_rollout)
             self._start_eval()
             while not self._last_step_done():
                 self._one_step()

@@ -16,7 +16,7 @@ Single-threaded: only the rollout service thread calls it.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Iterable, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
@@ -43,6 +43,8 @@ class RequestPlacement:
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when a group's first task is sent to a rank (its admission, for staleness)."""
         self.stats = {"dispatched": 0}
+        self.dispatched_to: Counter[int] = Counter()
+        """Tasks posted to each rank so far (the step log shows how evenly a step spread them)."""
         self.decision_times = DecisionTimer()
         """How long each placement pass that posted a task took (`control_meter.py`)."""
 
@@ -84,6 +86,7 @@ class RequestPlacement:
                 self.on_group_started(a.group_id)
             self._where[a.trajectory_id] = rank
             self.stats["dispatched"] += 1
+            self.dispatched_to[rank] += 1
             self.mailbox.post(rank, RunTask(a))
 
     def finished(self, task_id: str, rank: int, context_tokens: Optional[int] = None) -> bool:

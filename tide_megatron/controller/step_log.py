@@ -35,6 +35,7 @@ class StepLog:
         self._run_start: Optional[float] = None
         self._consumed_total = 0
         self._idle: dict[int, float] = {}
+        self._dispatched: Counter[int] = Counter()
         self._generated_before = 0
         self.timeline = TimelineLog(metrics.output_dir, rollout.mode.name, enabled=cfg.metrics.timeline,
                                     every=cfg.metrics.timeline_every, resume_step=metrics.resume_step,
@@ -88,11 +89,14 @@ class StepLog:
         elapsed = time.monotonic() - (self._run_start or time.monotonic())
         prompt = sum(t.engine_prompt_tokens for t in trajs)
         cached = sum(t.cached_tokens for t in trajs)
-        idle_now, ledger, counters, placement = self.rollout.call(
+        idle_now, ledger, counters, placement, dispatched = self.rollout.call(
             lambda: (self.rollout.health.rank_idle_s(), self.rollout.ledger_snapshot(),
-                     {**self.rollout.counters, **self.rollout.quarantine_counts()}, dict(self.rollout.placement.stats)))
+                     {**self.rollout.counters, **self.rollout.quarantine_counts()}, dict(self.rollout.placement.stats),
+                     Counter(self.rollout.placement.dispatched_to)))
         idle = [idle_now[r] - self._idle.get(r, 0.0) for r in idle_now]
         self._idle = idle_now
+        fed = dispatched - self._dispatched  # tasks each rank was sent during the step
+        self._dispatched = dispatched
         staleness = [version - 1 - t.policy_version for t in trajs]
         report = outcome.report
         record: dict[str, Any] = {
@@ -140,6 +144,9 @@ class StepLog:
             "ledger/wasted_frac": ledger["wasted"] / ledger["generated"] if ledger["generated"] else 0.0,
             **{f"rollout/{k}": v for k, v in counters.items()},
             **{f"placement/{k}": v for k, v in placement.items()},
+            # how evenly the step's tasks spread over the rollout ranks
+            "placement/ranks_fed": len(fed),
+            "placement/busiest_rank_share": max(fed.values()) / sum(fed.values()) if fed else 0.0,
         }
         self._generated_before = ledger["generated"]
         if outcome.choice is not None:

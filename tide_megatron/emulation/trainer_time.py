@@ -15,6 +15,12 @@ tensors. What is emulated is only the compute over the trajectories' tokens:
 Times are multiplied by `EmulationConfig.dilation`. The host's own time (the small model's
 passes) is taken out of each forward's sleep, so a pass never takes less than the model says
 and not much more.
+
+A role change moves training state over PCIe on a GPU (`TrainerWorker.apply`): an actor that
+leaves parks its state in host memory, one that joins loads it, a new reference loads its
+weights. Each takes the cost model's `swap_s` for those bytes (`state_move`), the figures the
+simulator charges for a rank joining the trainer (ERS, the end of the cold-start loan) and for
+sync's switch each way.
 """
 
 from __future__ import annotations
@@ -61,6 +67,14 @@ class TrainerDeviceTime:
         left = seconds * self.dilation - (time.perf_counter() - since if since is not None else 0.0)
         if left > 0:
             time.sleep(left)
+
+    def state_move(self, state: str, dp: int, since: float) -> None:
+        """`state` ("actor": weights, main grads and the Adam shard at DP size `dp`; "ref": the
+        reference's weights) crossing PCIe in one direction, less the host time since `since`."""
+        if state not in ("actor", "ref"):
+            raise ValueError(f"state={state!r}: expected 'actor' or 'ref'")
+        size = self.cost.actor_state_bytes_per_gpu(dp) if state == "actor" else self.cost.ref_state_bytes_per_gpu
+        self.wait(self.cost.swap_s(0, size), since)
 
     def forward(self, lengths: Sequence[int] | None, since: float) -> None:
         if lengths:

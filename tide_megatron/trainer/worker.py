@@ -194,6 +194,7 @@ class TrainerWorker:
             # may be parked, through the offloader shared with it.
             self._colocated = None
             times["actor_release_s"] = self._actor_parking.offload()
+            self._modelled_move("actor", self.assignment.dp_size, started)
         if t.ref == "release" and self.ref is not None:
             times["ref_release_s"] = self._release_ref()
         self.assignment = new
@@ -204,6 +205,7 @@ class TrainerWorker:
                 times["actor_build_s"] = time.perf_counter() - t0
             else:
                 times["actor_restore_s"] = self._actor_parking.restore()
+            self._modelled_move("actor", new.dp_size, t0)
         if t.actor in ("keep", "join"):
             t0 = time.perf_counter()
             self.actor.set_data_parallel(self.registry.actor_groups(new.actor_blocks))
@@ -215,10 +217,17 @@ class TrainerWorker:
                 times["state_recv_s"] = recv_actor_state(self.actor, t.state_source, group)
         # A dedicated reference serves from resident weights; an ACTOR_REF one kept it parked.
         if t.ref == "load" or (self.role is Role.REF and self.ref is not None and not self._ref_parking.resident):
+            t0 = time.perf_counter()
             times.update(self._load_ref())
+            self._modelled_move("ref", new.dp_size, t0)
         times["total_s"] = time.perf_counter() - started
         self.last_transition = times
         return times
+
+    def _modelled_move(self, state: str, dp: int, since: float) -> None:
+        """Emulated devices: the state just moved takes the cost model's PCIe time."""
+        if self.device_time is not None:
+            self.device_time.state_move(state, dp, since)
 
     # ---- one step: actor side ------------------------------------------------------------
 

@@ -44,16 +44,21 @@ def check(rows: list[dict], steps: int, groups: int) -> None:
 def test_every_mode_trains(tmp_path, mode):
     sinks = mode == "tide"
     run_dir = tmp_path / "run"
-    rows = train(run_dir, 2, f"scheduler.mode={mode}", "run.steps=3",
+    # sync on 3 ranks: rank 2 starts in rollout, rank 1 starts as a trainer and is lent
+    ranks, split = (3, ("cluster.rollout_share=0", "cluster.rollout_ranks=1")) if mode == "sync" else (2, ())
+    rows = train(run_dir, ranks, f"scheduler.mode={mode}", "run.steps=3", *split,
                  *(metric_sinks.OVERRIDES if sinks else ()), env=metric_sinks.job_env(tmp_path) if sinks else None)
     check(rows, 3, 4)
     assert {r["mode"] for r in rows} == {mode}
     if mode == "sync":
         assert all(r["staleness/max"] == 0 for r in rows)
-        # sync time-shares: rank 1 rolls out each batch, then trains it beside rank 0
-        assert [r["trainer/dp_size"] for r in rows] == [2] * 3
-        spans = json.loads((run_dir / "timeline.json").read_text())["ranks"]["1"]
-        assert [s["role"] for s in spans] == ["rollout", "actor_ref"] * 3
+        # sync time-shares: ranks 1 and 2 roll out each batch, then train it beside rank 0
+        assert [r["trainer/dp_size"] for r in rows] == [3] * 3
+        spans = json.loads((run_dir / "timeline.json").read_text())["ranks"]
+        assert [s["role"] for s in spans["2"]] == ["rollout", "actor_ref"] * 3
+        assert [s["role"] for s in spans["1"]] == ["actor_ref"] + ["rollout", "actor_ref"] * 3
+        # the lent rank is in service before the first batch is placed: every step feeds both
+        assert [r["placement/ranks_fed"] for r in rows] == [2] * 3
     if mode == "stream":
         assert all(r["ra2p/num_swaps"] >= 2 for r in rows)  # a Ref/Actor alternation per micro-batch
     if mode == "tide":

@@ -80,3 +80,19 @@ def test_only_placement_passes_that_decide_are_timed():
     request.submit(_group("g1"))
     request.dispatch(0.1)
     assert len(request.decision_times.take()) == 1
+
+
+def test_both_placements_count_the_tasks_each_rank_was_sent():
+    """`dispatched_to` (the step log's `placement/ranks_fed` and `busiest_rank_share`)."""
+    store = dist.HashStore()
+    request = RequestPlacement(Mailbox(store, 0), [1, 2], max_tasks_per_rank=4)
+    request.submit(_group("g1") + _group("g2"))
+    request.dispatch(0.0)
+    assert sorted(request.dispatched_to.values()) == [len(_group("g1"))] * 2  # a group per rank
+
+    cfg = JobConfig()
+    cfg.rollout.engine.max_total_tokens = 4000
+    ctb = CTBPlacement(cfg, Mailbox(dist.HashStore(), 0), [1, 2])
+    ctb.submit(_group("g0"))
+    ctb.dispatch(0.0, unconsumed_trajectories=0)  # admits the group's probe
+    assert sum(ctb.dispatched_to.values()) == 1 and set(ctb.dispatched_to) <= {1, 2}

@@ -54,3 +54,14 @@ def test_the_full_lengths_survive_a_move_and_are_what_ra2p_counts(cost):
     mb = micro_batch_of([_traj(100), _traj(50, 1)], device_time=TrainerDeviceTime(cost, dilation=0.0))
     moved = mb.to("cpu")
     assert moved.modelled_lengths == [100, 50] and moved.num_tokens == 150 and moved.lengths == [8, 8]
+
+
+def test_a_role_change_moves_state_in_the_cost_models_time(cost):
+    """What the simulator charges a rank joining the trainer, and sync's switch each way."""
+    clock = TrainerDeviceTime(cost, dilation=0.0)
+    clock.state_move("actor", 8, since=0.0)
+    assert clock.device_s == pytest.approx(cost.colocate_switch_s(8))
+    clock.state_move("ref", 8, since=0.0)
+    assert clock.device_s - cost.colocate_switch_s(8) == pytest.approx(cost.swap_s(0, cost.ref_state_bytes_per_gpu))
+    with pytest.raises(ValueError, match="expected 'actor' or 'ref'"):
+        clock.state_move("optimizer", 8, since=0.0)
