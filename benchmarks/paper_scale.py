@@ -16,8 +16,9 @@ Known differences between the two sides, beside the cost model's: in sync, rank 
 controller) trains but never rolls out, so the real rollout phase has one rank fewer than the
 simulator's; tide without ERS has no reference ranks on the real side (`cluster.ref_ranks=0`), so
 RA2P can only run colocated there, while the simulator's RA2P may choose decoupled (each run
-records the RA2P mode of every step on both sides); swaps and offloads take the small model's
-host time on the real side (docs/emulation.md, "Not modelled yet").
+records the RA2P mode of every step on both sides); swaps and offloads inside a step take the small
+model's host time on the real side, and a rank ERS moves out of the trainer parks its state in
+the cost model's time there but for free in the simulator (docs/emulation.md, "Not modelled yet").
 
 "Best" is chosen by the simulator's sweep of the same settings (every share of the ranks, every
 stream executor) before the emulated runs, since sweeping every share on emulated ranks would take
@@ -110,18 +111,25 @@ def simulate(v: dict, args, seed: int) -> dict:
             "wasted_share": s["wasted_tokens"] / max(1, s["generated_tokens"]),
             "waiting_rank_s": m.waiting_rank_s, "steps": s["steps_done"],
             "ra2p_modes": [step.ra2p_mode for step in m.steps],
-            "step_tokens": [step.tokens for step in m.steps], "step_train_s": [step.train_s for step in m.steps]}
+            "step_tokens": [step.tokens for step in m.steps], "step_train_s": [step.train_s for step in m.steps],
+            "step_s": [step.end - step.start for step in m.steps],
+            "step_rollout_s": [step.rollout_s for step in m.steps]}
 
 
 def per_step(rows: list[dict], dilation: float) -> dict:
-    """The emulated run's steps beside the simulator's (`step_tokens`, `step_train_s`): generated
-    tokens consumed, train and checkpoint time at the modelled speed, and the run goodput with the
-    checkpoints' time left out (the simulator saves none)."""
+    """The emulated run's steps beside the simulator's (`step_tokens`, `step_train_s`, `step_s`):
+    generated tokens consumed, step, train and checkpoint time at the modelled speed, the trainer's
+    wait (in sync: the rollout phase, the simulator's `step_rollout_s`), the share of the step's
+    tasks its busiest rollout rank was sent, and the run goodput with the checkpoints' time left
+    out (the simulator saves none)."""
     consumed = sum(r["consumed_tokens"] for r in rows)
     checkpoint_s = sum(r["time/checkpoint_s"] for r in rows)
     elapsed = consumed / rows[-1]["run_goodput_tok_s"]  # the run's wall time since its first dispatch
     return {"step_tokens": [r["consumed_tokens"] for r in rows],
             "step_train_s": [r["time/train_s"] / dilation for r in rows],
+            "step_s": [r["time/step_s"] / dilation for r in rows],
+            "step_twt_s": [r["twt_s"] / dilation for r in rows],
+            "step_busiest_rank_share": [r.get("placement/busiest_rank_share") for r in rows],
             "checkpoint_s": checkpoint_s / dilation,
             "goodput_without_checkpoint_tok_s": consumed / (elapsed - checkpoint_s) * dilation}
 

@@ -15,7 +15,8 @@ import paper_scale  # noqa: E402
 
 def row(tokens: int, train_s: float, checkpoint_s: float, run_goodput: float) -> dict:
     return {"consumed_tokens": tokens, "time/train_s": train_s, "time/checkpoint_s": checkpoint_s,
-            "run_goodput_tok_s": run_goodput}
+            "run_goodput_tok_s": run_goodput, "time/step_s": 2 * train_s + checkpoint_s, "twt_s": train_s,
+            "placement/busiest_rank_share": 0.5}
 
 
 def test_per_step_converts_to_the_modelled_speed_and_leaves_the_checkpoint_out():
@@ -23,6 +24,8 @@ def test_per_step_converts_to_the_modelled_speed_and_leaves_the_checkpoint_out()
     rows = [row(100, 4.0, 0.0, 10.0), row(200, 6.0, 6.0, 10.0)]
     out = paper_scale.per_step(rows, dilation=2.0)
     assert out["step_tokens"] == [100, 200] and out["step_train_s"] == [2.0, 3.0]
+    assert out["step_s"] == [4.0, 9.0] and out["step_twt_s"] == [2.0, 3.0]
+    assert out["step_busiest_rank_share"] == [0.5, 0.5]
     assert out["checkpoint_s"] == 3.0
     assert out["goodput_without_checkpoint_tok_s"] == pytest.approx(300 / 24 * 2)
 
