@@ -37,10 +37,7 @@ Writes benchmarks/results/paper_scale.json (paper_scale_<N>ranks.json at another
 tide run's timeline PNG beside it; prints a short table.
 
     python benchmarks/paper_scale.py                          # 32 ranks, dilation 4, 3 steps, 2 reps
-    python benchmarks/paper_scale.py --ranks 8 --groups-per-step 16 --dilation 3
-
-At dilation 1 on a 2-core host each env turn pays ~0.2 s of host time that the simulator does
-not have (docs/emulation.md); dilation 3 shrinks it to ~0.02 s.
+    python benchmarks/paper_scale.py --ranks 8 --groups-per-step 16 --dilation 1
 """
 
 from __future__ import annotations
