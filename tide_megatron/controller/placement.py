@@ -42,11 +42,14 @@ class RequestPlacement:
         self._cancelled: set[str] = set()  # running tasks told to stop, until their rank answers
         self.on_group_started = on_group_started or (lambda group_id: None)
         """Called when a group's first task is sent to a rank (its admission, for staleness)."""
-        self.stats = {"dispatched": 0}
         self.dispatched_to: Counter[int] = Counter()
         """Tasks posted to each rank so far (the step log shows how evenly a step spread them)."""
         self.decision_times = DecisionTimer()
         """How long each placement pass that posted a task took (`control_meter.py`)."""
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"dispatched": self.dispatched_to.total()}
 
     @property
     def ranks(self) -> list[int]:
@@ -68,9 +71,9 @@ class RequestPlacement:
         """Post queued tasks while some rank has room; a group stays on its first rank.
         Returns the groups it cancelled: none (request level has no deadlines)."""
         del now, unconsumed_trajectories, clock  # request level: no readiness input
-        t0, before = time.perf_counter(), self.stats["dispatched"]
+        t0, before = time.perf_counter(), self.dispatched_to.total()
         self._post_queued()
-        if self.stats["dispatched"] > before:
+        if self.dispatched_to.total() > before:
             self.decision_times.record(time.perf_counter() - t0)
         return []
 
@@ -85,7 +88,6 @@ class RequestPlacement:
             if not started:
                 self.on_group_started(a.group_id)
             self._where[a.trajectory_id] = rank
-            self.stats["dispatched"] += 1
             self.dispatched_to[rank] += 1
             self.mailbox.post(rank, RunTask(a))
 
