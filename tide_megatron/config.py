@@ -316,7 +316,8 @@ class ERSJobConfig:
     consumed over the `payoff_windows` steps after it, against the steps before; one that cost
     goodput is undone and its direction held this many steps. 0: no check."""
     payoff_windows: int = 3
-    """Steps after a move that its payoff is measured over (the split is held meanwhile)."""
+    """Steps after a move that its payoff is measured over (the split is held meanwhile, but for
+    a next block in the same direction once a step under the new split trained faster)."""
     preemptive_cold_start: bool = True
     """With `move_ranks`, before the first step every trainer rank but rank 0's TP block rolls out
     (nothing is ready to train yet: the paper's preemptive maximal rollout); they come back to

@@ -87,6 +87,13 @@ measures; nothing comes from a hardware model) and:
    `failed_move_hold_steps` steps: without it the window-full rules alternated on the paper's
    text workload (rollout over-provisioned, then trajectories slowed, one rank back and forth
    every two steps) and ERS lost 2-8% against the fixed split in the simulator.
+   Holding the split for the whole check made ERS take 4 steps a block (the resized window and
+   3 to measure), 30 steps to go from 16 to 8 rollout ranks. So a move may start a streak: once
+   a clean window under the new split trained more tokens per second than before it, the next
+   block the control law asks for in the same direction moves at once, judged in turn against
+   the split it leaves. A move to the trainer extends a streak only while the ready backlog
+   held: a larger trainer trains faster at first by eating it, which says nothing of what
+   rollout sustains. A streak never turns back before its check ends.
 
 Preemptive maximal rollout (`preemptive_plan`): at cold start (nothing to train yet) all but
 the minimum trainer ranks roll out until the trainer's first micro-batch is ready; during an
@@ -292,9 +299,16 @@ class _MoveCheck:
     direction: int
     """+1: a block to rollout, -1: to the trainer."""
     goodput_before: float
+    ras_before: float = 0.0
+    """The ready backlog (tokens) as the move was planned."""
     tokens: int = 0
     seconds: float = 0.0
     windows: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Trainer-work tokens per second over the windows measured so far."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class ERSController:
@@ -349,7 +363,7 @@ class ERSController:
         if undone is not None:
             n_roll, target, why = undone
         elif self._check_move is not None:
-            n_roll, target, why = r_now, None, "split held: measuring what the last move gained"
+            n_roll, target, why = self._streak(r_now, m)
         elif m.rollout_resized:
             n_roll, target, why = r_now, None, ("split held: the rollout ranks changed as the window opened, so it "
                                                 "measured the trainer's rate only")
@@ -365,7 +379,9 @@ class ERSController:
         if n_roll != r_now:
             self.last_move_step = step
             if undone is None and self.config.failed_move_hold_steps and self.goodput:
-                self._check_move = _MoveCheck(r_now, direction, self.goodput)
+                # a streak's next move is judged against the split it leaves, as measured
+                before = self._check_move.rate if self._check_move else self.goodput
+                self._check_move = _MoveCheck(r_now, direction, before, m.ras_tokens)
         layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p, correction)
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
@@ -411,7 +427,7 @@ class ERSController:
         if check.windows < self.config.payoff_windows:
             return None
         self._check_move = None
-        after = check.tokens / check.seconds
+        after = check.rate
         if after >= check.goodput_before * (1 - self.config.deadband) or \
                 self._clamp_rollout(check.rollout_before) != check.rollout_before:
             return None
@@ -419,6 +435,24 @@ class ERSController:
         return check.rollout_before, None, (
             f"undone: the move to {r_now} rollout ranks did not pay ({after:.0f} tokens/s trained after it, "
             f"{check.goodput_before:.0f} before); held for {self.config.failed_move_hold_steps} steps")
+
+    def _streak(self, r_now: int, m: ERSMeasurements) -> tuple[int, Optional[float], str]:
+        """While a move's payoff is measured (module docstring, 6): the next block may go the same
+        way once a clean window under the new split trained no fewer tokens per second than
+        before it (a streak); anything else waits for the check to end."""
+        check = self._check_move
+        hold = (r_now, None, "split held: measuring what the last move gained")
+        if m.rollout_resized or not check.windows or check.rate <= check.goodput_before:
+            return hold
+        if check.direction < 0 and m.ras_tokens < check.ras_before:
+            # a larger trainer eats the ready backlog first: a faster window that shrank it
+            # says nothing of what rollout sustains
+            return hold
+        n_roll, target, why = self._decide(r_now)
+        if (n_roll > r_now) - (n_roll < r_now) != check.direction:
+            return hold
+        return n_roll, target, f"{why}; the last move paid so far ({check.rate:.0f} tokens/s trained after it, " \
+                               f"{check.goodput_before:.0f} before)"
 
     def _observe(self, m: ERSMeasurements) -> None:
         a = self.config.rate_ewma_alpha

@@ -418,16 +418,19 @@ def test_role_changes_never_lose_a_rollout_task(seed, world):
         assert ctb.audit() == []
 
 
-def _payoff_run(trained_after: int, hold: int = 5):
+def _payoff_run(trained_after: int, hold: int = 5, ras_after: float = 0.0):
     """A move from 4 to 3 rollout ranks (rate balance), then clean windows training
-    `trained_after` tokens each; returns the rollout ranks planned at each step and the plans."""
+    `trained_after` tokens each with `ras_after` ready tokens at their start; returns the rollout
+    ranks planned at each step and the plans."""
     ers = controller(8, failed_move_hold_steps=hold, payoff_windows=2, cooldown_steps=0)
     cur = plan_of([AR, AR, AR, AR, R, R, R, R])
-    cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000), TIMES, step=0)  # the goodput before: 1000/s
+    cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000, ras=5_000), TIMES, step=0)  # before: 1000/s
     plans = []
     for step in range(1, 5):
+        first = step == 1
         cur = ers.plan(cur, measure(trainer=len(cur.trainer_ranks), rollout=len(cur.rollout_ranks), fresh=30_000,
-                                    trained=10_000 if step == 1 else trained_after), TIMES, step=step)
+                                    trained=10_000 if first else trained_after, ras=5_000 if first else ras_after),
+                       TIMES, step=step)
         plans.append(cur)
     return [len(p.rollout_ranks) for p in plans], plans
 
@@ -437,14 +440,40 @@ def test_a_move_that_costs_goodput_is_undone_and_its_direction_held():
     it: the move is undone, and the rates that asked for it do not ask again while it is held."""
     splits, plans = _payoff_run(trained_after=8_000)
     assert splits == [3, 3, 4, 4]  # moved, measured for two windows, undone, held
+    assert plans[1].reason == "split held: measuring what the last move gained"
     assert plans[2].reason.startswith("undone: the move to 3 rollout ranks did not pay (800 tokens/s")
     assert plans[3].reason.startswith("held: a move to the trainer did not pay before")
 
 
-def test_a_move_that_pays_is_kept_and_the_control_law_goes_on():
-    splits, plans = _payoff_run(trained_after=12_000)
-    assert plans[1].reason == "split held: measuring what the last move gained"
-    assert splits[:3] == [3, 3, 2] and plans[2].reason.startswith("balance")  # R* = 2: the next move
+def test_a_move_that_pays_lets_the_next_block_follow_before_its_check_ends():
+    """A streak: the first clean window after a move to the trainer trained faster than before it
+    with the ready backlog kept, so the next block the control law asks for in the same direction
+    moves at once; the next move is judged against the split it leaves (1200/s), not the start."""
+    splits, plans = _payoff_run(trained_after=12_000, ras_after=5_000)
+    assert splits == [3, 2, 2, 1]
+    assert plans[1].reason.endswith("the last move paid so far (1200 tokens/s trained after it, 1000 before)")
+    assert plans[2].reason == "split held: measuring what the last move gained"  # 1200/s: no gain over 1200
+    assert plans[3].reason.startswith("balance")  # the check ended, paid: the control law goes on
+
+
+def test_a_faster_window_that_drained_the_ready_backlog_does_not_extend_a_streak():
+    """A larger trainer trains faster at first by eating the ready backlog: no evidence of what
+    rollout sustains, so the move waits for its whole check."""
+    splits, plans = _payoff_run(trained_after=12_000, ras_after=1_000)
+    assert splits[:2] == [3, 3] and plans[1].reason == "split held: measuring what the last move gained"
+
+
+def test_a_streak_never_turns_back_before_the_check_ends():
+    """While a move to the trainer is measured, a window that asks for rollout (the trainer
+    starved) waits for the check, however well the move did."""
+    ers = controller(8, failed_move_hold_steps=5, payoff_windows=2, cooldown_steps=0)
+    cur = plan_of([AR, AR, AR, AR, R, R, R, R])
+    cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000), TIMES, step=0)
+    cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000, fresh=30_000), TIMES, step=1)
+    assert len(cur.rollout_ranks) == 3
+    nxt = ers.plan(cur, measure(trainer=5, rollout=3, trained=12_000, fresh=1_000, starved=5.0, busy=5.0),
+                   TIMES, step=2)
+    assert len(nxt.rollout_ranks) == 3 and nxt.reason == "split held: measuring what the last move gained"
 
 
 def test_payoff_settings_are_validated():
