@@ -316,8 +316,11 @@ class ERSJobConfig:
     consumed over the `payoff_windows` steps after it, against the steps before; one that cost
     goodput is undone and its direction held this many steps. 0: no check."""
     payoff_windows: int = 3
-    """Steps after a move that its payoff is measured over (the split is held meanwhile, but for
-    a next block in the same direction once a step under the new split trained faster)."""
+    """Steps after a move that its payoff is measured over (the split is held meanwhile)."""
+    streaks: bool = False
+    """While a move's payoff is measured, the next block in the same direction may move once a
+    step under the new split trained faster than before it (`core/ers.py`, docs/ers.md). Off by
+    default: not shown to pay on workloads it was not developed on."""
     preemptive_cold_start: bool = True
     """With `move_ranks`, before the first step every trainer rank but rank 0's TP block rolls out
     (nothing is ready to train yet: the paper's preemptive maximal rollout); they come back to

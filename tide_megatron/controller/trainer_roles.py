@@ -117,7 +117,7 @@ class TrainerRoles:
                                            reclaim="lowest", min_rollout_ranks=min_rollout_ranks,
                                            min_trainer_ranks=self.tp, rank_block=self.tp,
                                            failed_move_hold_steps=ers_cfg.failed_move_hold_steps,
-                                           payoff_windows=ers_cfg.payoff_windows),
+                                           payoff_windows=ers_cfg.payoff_windows, streaks=ers_cfg.streaks),
                                  self.world, ra2p_cfg)
         self._startup = worker.assignment
         self.plan = self._plan_of(worker.assignment)

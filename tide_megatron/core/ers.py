@@ -87,11 +87,13 @@ measures; nothing comes from a hardware model) and:
    `failed_move_hold_steps` steps: without it the window-full rules alternated on the paper's
    text workload (rollout over-provisioned, then trajectories slowed, one rank back and forth
    every two steps) and ERS lost 2-8% against the fixed split in the simulator.
-   Holding the split for the whole check made ERS take 4 steps a block (the resized window and
-   3 to measure), 30 steps to go from 16 to 8 rollout ranks. So a move may start a streak: once
+   Holding the split for the whole check makes ERS take 4 steps a block (the resized window and
+   3 to measure), 30 steps to go from 16 to 8 rollout ranks. With `streaks`, a move may start a
+   streak: once
    a clean window under the new split trained more tokens per second than before it, the next
-   block the control law asks for in the same direction moves at once, judged in turn against
-   the split it leaves. A move to the trainer extends a streak only while the ready backlog
+   block the control law asks for in the same direction moves at once, judged, as the first,
+   against the smoothed rate before the streak (one window's rate, fed from backlog or not,
+   is too noisy a baseline: it undid good moves). A move to the trainer extends a streak only while the ready backlog
    held: a larger trainer trains faster at first by eating it, which says nothing of what
    rollout sustains. A streak never turns back before its check ends.
 
@@ -177,6 +179,11 @@ class ERSConfig:
     payoff_windows: int = 3
     """Clean windows (steps) after a move that its payoff is measured over; the split is held
     meanwhile. One step's rate swings with whether it was fed from backlog or from arrivals."""
+    streaks: bool = False
+    """While a move's payoff is measured, let the next block in the same direction move once a
+    clean window trained faster than before it (module docstring, 6). Off by default: on random
+    workloads in the simulator it changed TIDE's goodput by +0.1% to +0.3% (geomean of three
+    draws, docs/ers.md), single workloads by -8% to +7%."""
 
     def __post_init__(self) -> None:
         if self.min_rollout_ranks < 0 or self.min_trainer_ranks < 1:
@@ -379,9 +386,9 @@ class ERSController:
         if n_roll != r_now:
             self.last_move_step = step
             if undone is None and self.config.failed_move_hold_steps and self.goodput:
-                # a streak's next move is judged against the split it leaves, as measured
-                before = self._check_move.rate if self._check_move else self.goodput
-                self._check_move = _MoveCheck(r_now, direction, before, m.ras_tokens)
+                # a streak's moves are judged against the smoothed rate before it: one window's
+                # rate swings too much with the backlog to judge the next move against
+                self._check_move = _MoveCheck(r_now, direction, self.goodput, m.ras_tokens)
         layout = self._layout(self.world_size - n_roll, m, times, ra2p or self.ra2p, correction)
         roles = self._assign(current, n_roll, layout, rollout_load or {})
         extras = {"target_rollout_ranks": target if target is not None else float(r_now),
@@ -437,12 +444,13 @@ class ERSController:
             f"{check.goodput_before:.0f} before); held for {self.config.failed_move_hold_steps} steps")
 
     def _streak(self, r_now: int, m: ERSMeasurements) -> tuple[int, Optional[float], str]:
-        """While a move's payoff is measured (module docstring, 6): the next block may go the same
-        way once a clean window under the new split trained no fewer tokens per second than
+        """While a move's payoff is measured (module docstring, 6): with `streaks`, the next block
+        may go the same way once a clean window under the new split trained no fewer tokens per second than
         before it (a streak); anything else waits for the check to end."""
         check = self._check_move
         hold = (r_now, None, "split held: measuring what the last move gained")
-        if m.rollout_resized or not check.windows or check.rate <= check.goodput_before:
+        if not self.config.streaks or m.rollout_resized or not check.windows or \
+                check.rate <= check.goodput_before:
             return hold
         if check.direction < 0 and m.ras_tokens < check.ras_before:
             # a larger trainer eats the ready backlog first: a faster window that shrank it

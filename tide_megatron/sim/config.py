@@ -197,6 +197,8 @@ class SimSchedulerConfig:
     undone and its direction held this many steps (`ERSConfig.failed_move_hold_steps`; 0: no check)."""
     ers_payoff_windows: int = 3
     """Steps after a move that its payoff is measured over (`ERSConfig.payoff_windows`)."""
+    ers_streaks: bool = False
+    """A next block in the same direction before the check ends (`ERSConfig.streaks`)."""
     ers_preemptive: bool = True
     """ERS: preemptive maximal rollout at cold start and during evaluation phases (loans)."""
     ers_retention: bool = False

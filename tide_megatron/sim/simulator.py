@@ -494,7 +494,8 @@ class Simulator:
         self.ers = ERSController(ERSConfig(min_rollout_ranks=min_roll, min_trainer_ranks=min_train,
                                            max_moves_per_step=sched.ers_max_moves,
                                            failed_move_hold_steps=sched.ers_failed_move_hold_steps,
-                                           payoff_windows=sched.ers_payoff_windows),
+                                           payoff_windows=sched.ers_payoff_windows,
+                                           streaks=sched.ers_streaks),
                                  self.n_ranks, self.ra2p_cfg)
         self.base_plan = self.ers.initial_plan(sched.initial_rollout_share)
         first = self.base_plan

@@ -418,11 +418,11 @@ def test_role_changes_never_lose_a_rollout_task(seed, world):
         assert ctb.audit() == []
 
 
-def _payoff_run(trained_after: int, hold: int = 5, ras_after: float = 0.0):
+def _payoff_run(trained_after: int, hold: int = 5, ras_after: float = 0.0, streaks: bool = False):
     """A move from 4 to 3 rollout ranks (rate balance), then clean windows training
     `trained_after` tokens each with `ras_after` ready tokens at their start; returns the rollout
     ranks planned at each step and the plans."""
-    ers = controller(8, failed_move_hold_steps=hold, payoff_windows=2, cooldown_steps=0)
+    ers = controller(8, failed_move_hold_steps=hold, payoff_windows=2, cooldown_steps=0, streaks=streaks)
     cur = plan_of([AR, AR, AR, AR, R, R, R, R])
     cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000, ras=5_000), TIMES, step=0)  # before: 1000/s
     plans = []
@@ -445,28 +445,36 @@ def test_a_move_that_costs_goodput_is_undone_and_its_direction_held():
     assert plans[3].reason.startswith("held: a move to the trainer did not pay before")
 
 
-def test_a_move_that_pays_lets_the_next_block_follow_before_its_check_ends():
+def test_a_move_that_pays_is_kept_and_the_control_law_goes_on():
+    """Without streaks the split is held for the whole check, however well the move did."""
+    splits, plans = _payoff_run(trained_after=12_000, ras_after=5_000)
+    assert splits == [3, 3, 2, 2]
+    assert plans[1].reason == "split held: measuring what the last move gained"
+    assert plans[2].reason.startswith("balance")  # the check ended, paid: the control law goes on
+
+
+def test_with_streaks_a_move_that_pays_lets_the_next_block_follow_before_its_check_ends():
     """A streak: the first clean window after a move to the trainer trained faster than before it
     with the ready backlog kept, so the next block the control law asks for in the same direction
-    moves at once; the next move is judged against the split it leaves (1200/s), not the start."""
-    splits, plans = _payoff_run(trained_after=12_000, ras_after=5_000)
+    moves at once, judged against the rate before the streak (1000/s)."""
+    splits, plans = _payoff_run(trained_after=12_000, ras_after=5_000, streaks=True)
     assert splits == [3, 2, 2, 1]
     assert plans[1].reason.endswith("the last move paid so far (1200 tokens/s trained after it, 1000 before)")
-    assert plans[2].reason == "split held: measuring what the last move gained"  # 1200/s: no gain over 1200
-    assert plans[3].reason.startswith("balance")  # the check ended, paid: the control law goes on
+    assert plans[2].reason == "split held: measuring what the last move gained"  # the law asks for no block
+    assert plans[3].reason.startswith("balance")  # the second move's check ended, paid
 
 
 def test_a_faster_window_that_drained_the_ready_backlog_does_not_extend_a_streak():
     """A larger trainer trains faster at first by eating the ready backlog: no evidence of what
     rollout sustains, so the move waits for its whole check."""
-    splits, plans = _payoff_run(trained_after=12_000, ras_after=1_000)
+    splits, plans = _payoff_run(trained_after=12_000, ras_after=1_000, streaks=True)
     assert splits[:2] == [3, 3] and plans[1].reason == "split held: measuring what the last move gained"
 
 
 def test_a_streak_never_turns_back_before_the_check_ends():
     """While a move to the trainer is measured, a window that asks for rollout (the trainer
     starved) waits for the check, however well the move did."""
-    ers = controller(8, failed_move_hold_steps=5, payoff_windows=2, cooldown_steps=0)
+    ers = controller(8, failed_move_hold_steps=5, payoff_windows=2, cooldown_steps=0, streaks=True)
     cur = plan_of([AR, AR, AR, AR, R, R, R, R])
     cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000), TIMES, step=0)
     cur = ers.plan(cur, measure(trainer=4, rollout=4, trained=10_000, fresh=30_000), TIMES, step=1)
