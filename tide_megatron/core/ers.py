@@ -89,13 +89,13 @@ measures; nothing comes from a hardware model) and:
    every two steps) and ERS lost 2-8% against the fixed split in the simulator.
    Holding the split for the whole check makes ERS take 4 steps a block (the resized window and
    3 to measure), 30 steps to go from 16 to 8 rollout ranks. With `streaks`, a move may start a
-   streak: once
-   a clean window under the new split trained more tokens per second than before it, the next
-   block the control law asks for in the same direction moves at once, judged, as the first,
-   against the smoothed rate before the streak (one window's rate, fed from backlog or not,
-   is too noisy a baseline: it undid good moves). A move to the trainer extends a streak only while the ready backlog
-   held: a larger trainer trains faster at first by eating it, which says nothing of what
-   rollout sustains. A streak never turns back before its check ends.
+   streak: once a clean window under the new split trained more tokens per second than before
+   it, the next block the control law asks for in the same direction moves at once, judged, as
+   the first, against the smoothed rate before the streak (one window's rate, fed from backlog
+   or not, is too noisy a baseline: it undid good moves). A move to the trainer extends a
+   streak only while the ready backlog held: a larger trainer trains faster at first by eating
+   it, which says nothing of what rollout sustains. A streak never turns back before its check
+   ends.
 
 Preemptive maximal rollout (`preemptive_plan`): at cold start (nothing to train yet) all but
 the minimum trainer ranks roll out until the trainer's first micro-batch is ready; during an
@@ -445,8 +445,8 @@ class ERSController:
 
     def _streak(self, r_now: int, m: ERSMeasurements) -> tuple[int, Optional[float], str]:
         """While a move's payoff is measured (module docstring, 6): with `streaks`, the next block
-        may go the same way once a clean window under the new split trained no fewer tokens per second than
-        before it (a streak); anything else waits for the check to end."""
+        may go the same way once a clean window under the new split trained more tokens per second
+        than before it (a streak); anything else waits for the check to end."""
         check = self._check_move
         hold = (r_now, None, "split held: measuring what the last move gained")
         if not self.config.streaks or m.rollout_resized or not check.windows or \
