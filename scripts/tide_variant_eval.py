@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import multiprocessing
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from sim_robustness import workload_config  # noqa: E402
+from sim_robustness import quantiles, workload_config  # noqa: E402
 
 from tide_megatron.sim import run_simulation  # noqa: E402
 
@@ -35,8 +33,8 @@ def tide_goodput(job: tuple[dict, int, int, dict]) -> float:
 
 
 def summary(values: list[float]) -> str:
-    return (f"min {min(values):.3f}  median {statistics.median(values):.3f}  "
-            f"geomean {math.exp(statistics.fmean(map(math.log, values))):.3f}")
+    q = quantiles(values)  # the benchmark's own figures
+    return f"min {q['min']:.3f}  median {q['median']:.3f}  geomean {q['geomean']:.3f}"
 
 
 def main() -> None:
