@@ -20,6 +20,8 @@ upper bounds.
 
     python benchmarks/control_plane.py                       # 8, 16, 32 ranks, dilation 4
     python benchmarks/control_plane.py --ranks 8 --dilations 1 --steps 2   # a quick look
+    python benchmarks/control_plane.py --ranks 16 --dilations 4 --polls 0.005,0.02 --reps 2 \
+        --out control_plane_poll      # what rank 0's pass interval (scheduler.control_poll_s) costs
 
 Not covered here: 64 and 128 ranks (a rank costs 280-380 MB here, so 64 do not fit this
 24 GiB host beside the rest); `benchmarks/decision_latency.py` times the same placement and ERS
@@ -67,63 +69,92 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return math.log(ys[-1] / ys[0]) / math.log(xs[-1] / xs[0])
 
 
+def run_size(ranks: int, dilation: float, poll: float, rep: int, args) -> dict:
+    run = run_emulated(ranks, dilation, [f"run.steps={args.steps}",
+                                         f"scheduler.groups_per_step={args.groups_per_rank * ranks}",
+                                         f"scheduler.control_poll_s={poll}", *args.overrides], args.timeout)
+    record = {"ranks": ranks, "dilation": dilation, "control_poll_s": poll, "rep": rep, "command": run["command"],
+              "process_wall_s": run["process_wall_s"], "failed": run["failed"]}
+    if run["failed"]:
+        record["error"] = run["error"]
+        print(f"{ranks} ranks, poll {poll:g} s: FAILED ({run['error'][-300:]})", flush=True)
+        return record
+    record.update(control=figures(run["rows"], dilation), run=modelled(run, ranks, dilation),
+                  per_step=[{k.removeprefix("control/"): r[k] for k in r if k.startswith("control/")}
+                            for r in run["rows"]])
+    c = record["control"]
+    print(f"{ranks} ranks, poll {poll:g} s: rollout thread {c['cpu_rollout_thread_s']:.2f} s/step, "
+          f"{c['messages_per_step']:.0f} messages/step, host busy {run['cpu_busy_share']}", flush=True)
+    return record
+
+
+def mean_of(records: list[dict], part: str, key: str) -> float | None:
+    values = [r[part][key] for r in records if r[part][key] is not None]
+    return statistics.fmean(values) if values else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="8,16,32")
     parser.add_argument("--dilations", default="4,4,4",
                         help="one per rank count; the same for all, so that idle polling (per wall second) "
                              "weighs the same in every size's CPU time per step")
+    parser.add_argument("--polls", default="0.02",
+                        help="scheduler.control_poll_s values to compare (each size runs each, in alternating "
+                             "order over the repetitions)")
+    parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--groups-per-rank", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--out", default="control_plane", help="results name (benchmarks/results/NAME.json)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")]
     dilations = [float(x) for x in args.dilations.split(",")]
+    polls = [float(x) for x in args.polls.split(",")]
     if len(dilations) != len(sizes):
         parser.error(f"--dilations needs one value per rank count ({len(sizes)}), got {len(dilations)}")
 
     results = []
     for ranks, dilation in zip(sizes, dilations):
-        run = run_emulated(ranks, dilation, [f"run.steps={args.steps}",
-                                             f"scheduler.groups_per_step={args.groups_per_rank * ranks}",
-                                             *args.overrides], args.timeout)
-        record = {"ranks": ranks, "dilation": dilation, "command": run["command"],
-                  "process_wall_s": run["process_wall_s"], "failed": run["failed"]}
-        if run["failed"]:
-            record["error"] = run["error"]
-            print(f"{ranks} ranks: FAILED ({run['error'][-300:]})", flush=True)
-        else:
-            record.update(control=figures(run["rows"], dilation), run=modelled(run, ranks, dilation),
-                          per_step=[{k.removeprefix("control/"): r[k] for k in r if k.startswith("control/")}
-                                    for r in run["rows"]])
-            c = record["control"]
-            print(f"{ranks} ranks: rollout thread {c['cpu_rollout_thread_s']:.2f} s/step, "
-                  f"{c['messages_per_step']:.0f} messages/step, host busy {run['cpu_busy_share']}", flush=True)
-        results.append(record)
+        for rep in range(args.reps):
+            for poll in (polls if rep % 2 == 0 else polls[::-1]):
+                results.append(run_size(ranks, dilation, poll, rep, args))
 
     ok = [r for r in results if not r["failed"]]
     keys = ("cpu_process_s", "cpu_rollout_thread_s", "messages_per_step", "rollout_thread_us_per_message", "loops",
             "placement_p50_ms", "placement_p99_ms", "ers_plan_p50_ms")
-    growth = {k: slope([r["ranks"] for r in ok], [r["control"][k] for r in ok]) for k in keys}
-    print(f"\n{'ranks':>5}{'dil':>5}{'proc cpu s':>11}{'ro thr s':>9}{'msgs':>7}{'us/msg':>7}{'loops':>7}"
-          f"{'place p50':>10}{'p99 ms':>8}"
-          f"{'ers ms':>8}{'step s':>8}{'ro/step':>8}{'busy':>6}")
-    for r in ok:
+    table, growth = [], {}
+    for poll in polls:
+        rows = []
+        for ranks, dilation in zip(sizes, dilations):
+            mine = [r for r in ok if r["ranks"] == ranks and r["control_poll_s"] == poll]
+            if mine:
+                rows.append({"ranks": ranks, "dilation": dilation, "control_poll_s": poll, "runs": len(mine),
+                             "control": {k: mean_of(mine, "control", k) for k in mine[0]["control"]},
+                             "goodput_tok_s": mean_of(mine, "run", "goodput_tok_s"),
+                             "cpu_busy_share": mean_of(mine, "run", "cpu_busy_share")})
+        table += rows
+        growth[str(poll)] = {k: slope([r["ranks"] for r in rows], [r["control"][k] for r in rows]) for k in keys}
+
+    print(f"\n{'ranks':>5}{'dil':>5}{'poll s':>7}{'runs':>5}{'proc cpu s':>11}{'ro thr s':>9}{'msgs':>7}{'us/msg':>7}"
+          f"{'loops':>7}{'place p50':>10}{'p99 ms':>8}{'ers ms':>8}{'step s':>8}{'ro/step':>8}{'tok/s':>8}{'busy':>6}")
+    for r in table:
         c = r["control"]
 
         def ms(v):
             return "-" if v is None else f"{v:.2f}"
-        print(f"{r['ranks']:>5}{r['dilation']:>5g}{c['cpu_process_s']:>11.2f}{c['cpu_rollout_thread_s']:>9.2f}"
-              f"{c['messages_per_step']:>7.0f}{c['rollout_thread_us_per_message']:>7.0f}{c['loops']:>7.0f}"
-              f"{ms(c['placement_p50_ms']):>10}{ms(c['placement_p99_ms']):>8}"
+        print(f"{r['ranks']:>5}{r['dilation']:>5g}{r['control_poll_s']:>7g}{r['runs']:>5}{c['cpu_process_s']:>11.2f}"
+              f"{c['cpu_rollout_thread_s']:>9.2f}{c['messages_per_step']:>7.0f}{c['rollout_thread_us_per_message']:>7.0f}"
+              f"{c['loops']:>7.0f}{ms(c['placement_p50_ms']):>10}{ms(c['placement_p99_ms']):>8}"
               f"{ms(c['ers_plan_p50_ms']):>8}{c['modelled_step_s']:>8.1f}{c['rollout_thread_share_of_step']:>8.3f}"
-              f"{r['run']['cpu_busy_share'] or 0:>6.2f}")
-    print("growth with ranks (log-log slope, 1 = linear):",
-          {k: None if v is None else round(v, 2) for k, v in growth.items()})
-    bench_record.write("control_plane", {**bench_record.header("control_plane", config=vars(args)),
-                                         "growth_log_log_slope": growth, "goal": "growth at most linear; "
-                                         "under 1% of a 7B step at 128 ranks", "sizes": results})
+              f"{r['goodput_tok_s']:>8.0f}{r['cpu_busy_share'] or 0:>6.2f}")
+    for poll, g in growth.items():
+        print(f"growth with ranks at poll {poll} s (log-log slope, 1 = linear):",
+              {k: None if v is None else round(v, 2) for k, v in g.items()})
+    bench_record.write(args.out, {**bench_record.header("control_plane", config=vars(args)),
+                                  "growth_log_log_slope": growth, "goal": "growth at most linear; "
+                                  "under 1% of a 7B step at 128 ranks", "means": table, "runs": results})
     return 0 if len(ok) == len(results) else 1
 
 

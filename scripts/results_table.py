@@ -295,6 +295,11 @@ def trainer_throughput(r: dict) -> str:
 
 
 def control_plane(r: dict) -> str:
+    if "means" in r:  # one row per size and pass interval (scheduler.control_poll_s)
+        return "; ".join(f"{m['ranks']} ranks, poll {m['control_poll_s']:g} s: rollout thread "
+                         f"{m['control']['cpu_rollout_thread_s']:.2f} CPU s/step, {m['control']['loops']:.0f} passes, "
+                         f"{m['control']['rollout_thread_share_of_step']:.1%} of the modelled step"
+                         for m in r["means"])
     sizes = [s for s in r["sizes"] if not s["failed"]]
     lo, hi = sizes[0], sizes[-1]
     g = r["growth_log_log_slope"]

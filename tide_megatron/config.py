@@ -224,6 +224,12 @@ class SchedulerConfig:
     """The run stops, naming the silent rank, when fewer rollout ranks than this are in service."""
     ready_timeout_s: float = 600.0
     """How long rank 0 waits for every rollout rank's engine to start."""
+    control_poll_s: float = 0.02
+    """While messages keep coming, rank 0's rollout service reads its mailbox, books what came and
+    runs one placement pass at most this often (idle, it backs off to 40 ms; a request of the
+    step loop wakes it at once). A pass costs rank 0 CPU time however little it read, so a longer
+    interval books more messages per pass (`benchmarks/control_plane.py`); it also delays a
+    placement by up to this long, so keep it under a decode iteration of the served model."""
     eval_every: int = 0
     """`tide` mode: evaluate the model of every N-th step on eval tasks that run during the
     next step, ahead of training tasks; their metrics are gathered before that step's weight
@@ -448,6 +454,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         raise ValueError("scheduler.group_size must be >= 2: GRPO normalises rewards within a group")
     if cfg.run.steps < 1:
         raise ValueError("run.steps must be >= 1")
+    if not cfg.scheduler.control_poll_s > 0:
+        raise ValueError(f"scheduler.control_poll_s={cfg.scheduler.control_poll_s}: rank 0 reads its mailbox at "
+                         "most this often while messages come; it must be > 0 (0.02 s by default)")
     if cfg.ers.drill_every < 0:
         raise ValueError("ers.drill_every must be >= 0")
     if (cfg.ers.enabled or cfg.ers.drill_every) and cfg.scheduler.mode != "tide":

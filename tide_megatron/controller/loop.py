@@ -112,7 +112,7 @@ class Controller:
             eval_pass_threshold=sched.eval_pass_threshold, weight_sender=WeightSender(
                 topo.job_group, mailbox, node_of=lambda rank: topo.plan.slot(rank).node if topo.plan else 0),
             weight_sync_timeout_s=sched.weight_sync_timeout_s, min_rollout_ranks=sched.min_rollout_ranks,
-            hand_over_tasks=cfg.ers.hand_over_tasks, task_order=sched.task_order)
+            hand_over_tasks=cfg.ers.hand_over_tasks, task_order=sched.task_order, poll_s=sched.control_poll_s)
         self.weights = WeightPush(path=sched.weight_sync_path, rollout=self.rollout, mailbox=mailbox,
                                   bucket_bytes=sched.weight_bucket_mb << 20, engine_tp=cfg.rollout.engine.tp_size,
                                   broadcast_timeout_s=sched.weight_broadcast_timeout_s)

@@ -59,7 +59,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RolloutService", "RunError"]
 
-POLL_INTERVAL_S = 0.005
 IDLE_POLL_MAX_S = 0.04
 """A pass that read no message and ran no request doubles the wait before the next, up to this:
 an idle pass costs rank 0 CPU time per wall second whatever the job's size. A request from the
@@ -80,7 +79,7 @@ class RolloutService(threading.Thread):
                  max_staleness: int, max_task_retries: int, max_failed_groups: int, seed: int,
                  start_version: int, health: RolloutHealth, eval_pass_threshold: float = 1.0,
                  weight_sender=None, weight_sync_timeout_s: float = 300.0, min_rollout_ranks: int = 1,
-                 hand_over_tasks: bool = True, task_order: str = "random"):
+                 hand_over_tasks: bool = True, task_order: str = "random", poll_s: float = 0.02):
         super().__init__(name="rollout-service", daemon=True)
         self.mailbox, self.buffer, self.placement, self.mode, self.health = mailbox, buffer, placement, mode, health
         self._startup_ranks = list(rollout_ranks)
@@ -95,6 +94,8 @@ class RolloutService(threading.Thread):
         self.lost_before = 0  # lost tokens booked before a restart (run_state.restore sets it)
         self._rng = random.Random(seed)  # the task sampler's (run_state saves and restores it)
         self._stopping = threading.Event()
+        self.poll_s = poll_s
+        """The wait after a pass that read a message or ran a request (`scheduler.control_poll_s`)."""
         self.loops = 0
         """Passes of this thread's loop (each reads the mailbox once): `control/loops`."""
         self.cpu_s = 0.0
@@ -160,7 +161,7 @@ class RolloutService(threading.Thread):
     # ------------------------------------------------------------------ the thread
     def run(self) -> None:
         try:
-            wait_s = POLL_INTERVAL_S
+            wait_s = self.poll_s
             while not self._stopping.is_set():
                 self.loops += 1
                 self._calls.arrived.clear()  # a request queued from here on ends the next wait
@@ -183,7 +184,7 @@ class RolloutService(threading.Thread):
                 if problem:
                     raise RunError(f"{problem}; {self.placement.describe()}")
                 self.cpu_s = time.thread_time()
-                wait_s = POLL_INTERVAL_S if busy else min(IDLE_POLL_MAX_S, 2 * wait_s)
+                wait_s = self.poll_s if busy else min(max(IDLE_POLL_MAX_S, self.poll_s), 2 * wait_s)
                 self._calls.arrived.wait(wait_s)
         except BaseException as exc:
             logger.error("rollout service failed: %s", exc)

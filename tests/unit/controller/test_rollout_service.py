@@ -131,7 +131,7 @@ class FakeSender:
 
 
 def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, stall_s=30.0, heartbeat_timeout_s=30.0,
-                 max_failed_groups=3, ranks=(1,), start=True, ctb=False, tasks_per_rank=8):
+                 max_failed_groups=3, ranks=(1,), start=True, ctb=False, tasks_per_rank=8, poll_s=0.02):
     mailbox = Mailbox(store, 0)
     placement = (CTBPlacement(JobConfig(), mailbox, list(ranks)) if ctb
                  else RequestPlacement(mailbox, list(ranks), tasks_per_rank))
@@ -142,7 +142,7 @@ def make_service(store, mode="async_static", *, groups_per_step=2, retries=1, st
                          mode=mode_policy(mode), rollout_ranks=list(ranks), tasks=TASKS, group_size=G,
                          groups_per_step=groups_per_step, max_staleness=1, max_task_retries=retries,
                          max_failed_groups=max_failed_groups, seed=0, start_version=0, health=health,
-                         weight_sender=FakeSender(store))
+                         weight_sender=FakeSender(store), poll_s=poll_s)
     if start:
         svc.start()
     return svc
@@ -603,16 +603,16 @@ def test_an_engine_restarted_without_the_weights_it_confirmed_takes_its_rank_out
 
 def test_an_idle_service_backs_off_its_mailbox_reads_and_still_serves_requests_at_once(store):
     """An idle pass costs rank 0 CPU per wall second: with nothing arriving the service waits up
-    to IDLE_POLL_MAX_S between passes, not POLL_INTERVAL_S; a request ends the wait."""
-    from tide_megatron.controller.rollout_service import IDLE_POLL_MAX_S, POLL_INTERVAL_S
+    to IDLE_POLL_MAX_S between passes, not its busy interval; a request ends the wait."""
+    from tide_megatron.controller.rollout_service import IDLE_POLL_MAX_S
 
-    svc = make_service(store)  # its rank never starts: nothing arrives
+    svc = make_service(store, poll_s=0.005)  # its rank never starts: nothing arrives
     try:
         time.sleep(0.2)  # the wait has grown to its bound
         before, t0 = svc.loops, time.monotonic()
         time.sleep(1.0)
         passes, idle_s = svc.loops - before, time.monotonic() - t0
-        assert passes <= idle_s / IDLE_POLL_MAX_S + 2 < idle_s / POLL_INTERVAL_S / 4
+        assert passes <= idle_s / IDLE_POLL_MAX_S + 2 < idle_s / svc.poll_s / 4
         assert svc.wait(svc.submit(lambda: 7), 10.0, "a request") == 7
     finally:
         svc.stop()

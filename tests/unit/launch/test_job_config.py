@@ -97,6 +97,7 @@ def test_bad_overrides_fail_naming_the_key(compose_job, override, message):
     ("scheduler.task_order=shuffled", 2, "scheduler.task_order='shuffled': expected one of"),
     ("scheduler.min_groups_per_step=9", 2, "scheduler.min_groups_per_step=9: expected 0"),
     ("scheduler.groups_per_step=0", 2, "scheduler.groups_per_step=0: a step trains at least one group"),
+    ("scheduler.control_poll_s=0", 2, "scheduler.control_poll_s=0.0: rank 0 reads its mailbox"),
     ("ra2p.executor=vs", 2, "ra2p.executor=vs with scheduler.mode=sync_split"),
     ("scheduler.mode=stream ra2p.executor=decoupled", 2, "ra2p.executor=decoupled with scheduler.mode=stream"),
     ("cluster.device=tpu", 2, "cluster.device='tpu'"),
