@@ -228,8 +228,9 @@ class SchedulerConfig:
     """While messages keep coming, rank 0's rollout service reads its mailbox, books what came and
     runs one placement pass at most this often (idle, it backs off to 40 ms; a request of the
     step loop wakes it at once). A pass costs rank 0 CPU time however little it read, so a longer
-    interval books more messages per pass (`benchmarks/control_plane.py`); it also delays a
-    placement by up to this long, so keep it under a decode iteration of the served model."""
+    interval books more messages per pass (`benchmarks/control_plane.py`). It also delays a
+    placement by up to this long: 20 ms is about one decode iteration of a full 7B batch in the
+    cost model, and a turn runs tens to hundreds of them."""
     eval_every: int = 0
     """`tide` mode: evaluate the model of every N-th step on eval tasks that run during the
     next step, ahead of training tasks; their metrics are gathered before that step's weight
