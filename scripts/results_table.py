@@ -295,18 +295,11 @@ def trainer_throughput(r: dict) -> str:
 
 
 def control_plane(r: dict) -> str:
-    if "means" in r:  # one row per size and pass interval (scheduler.control_poll_s)
-        return "; ".join(f"{m['ranks']} ranks, poll {m['control_poll_s']:g} s: rollout thread "
-                         f"{m['control']['cpu_rollout_thread_s']:.2f} CPU s/step, {m['control']['loops']:.0f} passes, "
-                         f"{m['control']['rollout_thread_share_of_step']:.1%} of the modelled step"
-                         for m in r["means"])
-    sizes = [s for s in r["sizes"] if not s["failed"]]
-    lo, hi = sizes[0], sizes[-1]
-    g = r["growth_log_log_slope"]
-    return (f"rank 0's rollout thread {lo['control']['cpu_rollout_thread_s']:.2f}->"
-            f"{hi['control']['cpu_rollout_thread_s']:.2f} CPU s/step at {lo['ranks']}->{hi['ranks']} ranks "
-            f"(slope {_num(g['cpu_rollout_thread_s'])}; messages slope {_num(g['messages_per_step'])}), "
-            f"{hi['control']['rollout_thread_share_of_step']:.1%} of the modelled step at {hi['ranks']}")
+    # one row per size and pass interval (scheduler.control_poll_s)
+    return "; ".join(f"{m['ranks']} ranks, poll {m['control_poll_s']:g} s: rollout thread "
+                     f"{m['control']['cpu_rollout_thread_s']:.2f} CPU s/step, {m['control']['loops']:.0f} passes, "
+                     f"{m['control']['rollout_thread_share_of_step']:.1%} of the modelled step"
+                     for m in r["means"])
 
 
 def decision_latency(r: dict) -> str:
