@@ -322,6 +322,16 @@ def trajectory_wire(r: dict) -> str:
                      f"{x['decode_speedup']:.1f}x, size {x['size_ratio']:.2f}x of JSON lists" for x in r["rows"])
 
 
+def engine_start(r: dict) -> str:
+    f = r["figures"]
+    out = (f"engine ready {f['engine_ready_s']['mean']['fork']:.1f} s forked, {f['engine_ready_s']['mean']['spawn']:.1f} s "
+           f"spawned; its processes' CPU {f['engine_tree_cpu_s']['mean']['fork']:.1f} against "
+           f"{f['engine_tree_cpu_s']['mean']['spawn']:.1f} s")
+    if f.get("job_wall_s", {}).get("mean"):
+        out += f"; ERS drill job {f['job_wall_s']['mean']['fork']:.0f} s against {f['job_wall_s']['mean']['spawn']:.0f} s"
+    return out
+
+
 # benchmark (its script's name) -> the headline figures of one of its records
 EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "e2e_goodput": e2e_goodput, "weight_sync": weight_sync, "sleep_on_idle": sleep_on_idle,
@@ -331,7 +341,7 @@ EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "ctb_rows": ctb_rows, "group_startup": group_startup, "role_transitions": role_transitions,
     "gpu_weight_sync": gpu_weight_sync, "gpu_trainer": gpu_trainer, "trainer_throughput": trainer_throughput,
     "control_plane": control_plane, "decision_latency": decision_latency, "paper_scale": paper_scale,
-    "trajectory_wire": trajectory_wire,
+    "trajectory_wire": trajectory_wire, "engine_start": engine_start,
 }
 
 

@@ -1,6 +1,6 @@
 """The one CPU compatibility layer of tide-megatron.
 
-Three parts, all inert on a machine with CUDA:
+Four parts, all inert on a machine with CUDA:
 - `standins`: import-time stand-ins for GPU-only packages SGLang imports (triton,
   torchvision, vllm). Loaded by a `.pth` file in site-packages (written by
   `python -m tide_megatron.compat.install`) so that SGLang's own scheduler and
@@ -10,8 +10,10 @@ Three parts, all inert on a machine with CUDA:
   hook that the same `.pth` file installs, only when torchvision is missing.
 - `megatron_cpu`: runtime stand-ins for Megatron-core's CUDA assumptions, installed by
   the trainer when `torch.cuda.is_available()` is false.
+- `sglang_fork`: SGLang's scheduler and detokenizer forked from the rollout rank instead of
+  spawned, so that they do not import SGLang again (`rollout.engine.fork_children`).
 
-Both are pinned to the versions they were written for (see PINNED_VERSIONS) and
+All are pinned to the versions they were written for (see PINNED_VERSIONS) and
 tests/integration/compat checks those versions and every patched attribute.
 """
 

@@ -38,12 +38,20 @@ class RolloutEngineConfig:
     """An idle SGLang scheduler waits on its sockets instead of polling them. None: on with
     `device=cpu`, where a polling scheduler takes a core from the processes that work (2 rollout
     ranks on a 2-core machine: `benchmarks/sleep_on_idle.py`)."""
+    fork_children: bool | None = None
+    """Start SGLang's scheduler and detokenizer by fork instead of spawn, so that they do not
+    import SGLang again (`tide_megatron/compat/sglang_fork.py`; `benchmarks/engine_start.py`).
+    None: on with `device=cpu`. Never where CUDA exists: a CUDA context does not survive a fork."""
     log_level: str = "error"
     """SGLang's log level."""
     seed: int = 0
     """Sampling seed of the engine."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Further `sglang.Engine` keyword arguments, passed through unchanged."""
+
+    def forks_children(self) -> bool:
+        """`fork_children` resolved (the compat layer still refuses where CUDA exists)."""
+        return self.fork_children if self.fork_children is not None else self.device == "cpu"
 
     def engine_kwargs(self, model_path: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from tide_megatron.compat.sglang_fork import forked_engine_children
 from tide_megatron.rollout.config import RolloutEngineConfig
 from tide_megatron.rollout.turn_gate import TurnGate
 
@@ -159,7 +160,7 @@ class RolloutEngine:
         # Private to this user (0700): the FileStore is the engine's rendezvous, no TCP port.
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tide-sglang-") if _wants_file_rendezvous(kwargs) else None
         try:
-            with _scheduler_environment(self._rendezvous_dir):
+            with _scheduler_environment(self._rendezvous_dir), forked_engine_children(cfg.forks_children()):
                 self._engine = Engine(**kwargs)
         except BaseException:
             if self._rendezvous_dir is not None:

@@ -127,3 +127,14 @@ def test_the_paired_benchmarks_alternate_their_two_variants(name, override, laun
         assert job.scheduler.mode == "tide" and job.envs.server.envs[0].latency.enabled
     assert values == [True, False, False, True]  # alternating order
     record(out, 4)
+
+
+def test_engine_start_times_the_drill_job_with_forked_and_spawned_children(launched, monkeypatch, tmp_path):
+    out = tmp_path / "engine_start.json"
+    assert run_script("engine_start", monkeypatch, "--engine-reps", "0", "--job-reps", "2", "--out", str(out)) == 1
+    assert [job.rollout.engine.fork_children for _, job in launched] == [True, False, False, True]
+    for nproc, job in launched:
+        assert nproc == 4 and job.scheduler.mode == "tide" and job.ers.drill_every == 1 and job.run.steps == 5
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("python benchmarks/engine_start.py") and data["figures"]["engine_ready_s"]["mean"] == {}
+    assert len(data["job_runs"]) == 4 and all(r["failed"] and "dry run" in r["error"] for r in data["job_runs"])

@@ -38,3 +38,10 @@ def test_an_idle_scheduler_sleeps_on_cpu_unless_told_otherwise():
     assert "sleep_on_idle" not in RolloutEngineConfig(device="cuda").engine_kwargs("/m")
     assert "sleep_on_idle" not in RolloutEngineConfig(sleep_on_idle=False).engine_kwargs("/m")
     assert RolloutEngineConfig(device="cuda", sleep_on_idle=True).engine_kwargs("/m")["sleep_on_idle"] is True
+
+
+def test_sglang_children_are_forked_on_a_cpu_engine_unless_turned_off():
+    assert RolloutEngineConfig().forks_children()
+    assert not RolloutEngineConfig(device="cuda").forks_children()
+    assert not RolloutEngineConfig(fork_children=False).forks_children()
+    assert "fork_children" not in RolloutEngineConfig().engine_kwargs("/m")  # ours, not an SGLang argument
