@@ -8,6 +8,9 @@
 - job: the end-to-end test tier's ERS drill job (4 ranks: 2 actors, a reference, a rollout rank;
   tide mode, roles change every step, 5 steps), its wall time from launch to exit.
 
+Every process runs one intra-op thread (OMP_NUM_THREADS=1, as under torchrun), and each run
+records whether SGLang's children were in fact forked (`compat.sglang_fork.fork_hazard`).
+
     python benchmarks/engine_start.py                     # 3 engine reps, 2 job reps
     python benchmarks/engine_start.py --engine-reps 5 --job-reps 0
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -30,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
 
 REPO = Path(bench_record.REPO)
+# As torchrun gives every rank unless told otherwise (and CI sets): one intra-op thread, so that
+# forking is safe (`compat.sglang_fork.fork_hazard`).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 VARIANTS = (("fork", True), ("spawn", False))
 JOB = ("scheduler.mode=tide", "cluster.rollout_ranks=1", "cluster.ref_ranks=1", "ers.enabled=true",
        "ers.drill_every=1", "run.steps=5")
@@ -49,12 +57,13 @@ def engine_worker(out: Path, fork: bool) -> None:
     tree = [psutil.Process(), *psutil.Process().children(recursive=True)]
     cpu_s = sum(t.user + t.system for t in (p.cpu_times() for p in tree))
     engine.shutdown()
-    print(json.dumps({"ready_s": ready_s, "tree_cpu_s": cpu_s, "processes": len(tree)}))
+    print(json.dumps({"ready_s": ready_s, "tree_cpu_s": cpu_s, "processes": len(tree),
+                      "children_forked": engine.children_forked}))
 
 
 def run_engine(tmp: Path, fork: bool, timeout: float) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--engine-worker", str(tmp), "--fork", str(int(fork))],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ONE_THREAD)
     if proc.returncode != 0:
         return {"failed": True, "error": proc.stderr[-2000:]}
     return {"failed": False, **json.loads(proc.stdout.splitlines()[-1])}
@@ -65,11 +74,12 @@ def run_job(tmp: Path, fork: bool, timeout: float) -> dict:
            "+recipe=tiny_cpu",
            "metrics.progress=false", f"run.output_dir={tmp}", *JOB, f"rollout.engine.fork_children={str(fork).lower()}"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ONE_THREAD)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"failed": True, "wall_s": wall, "error": proc.stderr[-2000:]}
-    return {"failed": False, "wall_s": wall}
+    ready = re.findall(r"SGLang's children (forked|spawned)", "".join(p.read_text() for p in (tmp / "logs").glob("rank*.log")))
+    return {"failed": False, "wall_s": wall, "children": ready}
 
 
 def alternating(reps: int, measure, tmp: Path, what: str) -> list[dict]:

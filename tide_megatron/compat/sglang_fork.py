@@ -28,6 +28,7 @@ Inert where CUDA exists (`cuda_present`) or `TIDE_DISABLE_CPU_COMPAT=1`: SGLang 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -36,6 +37,8 @@ import sys
 from typing import Iterator
 
 from tide_megatron.compat import DISABLE_ENV, cuda_present
+
+logger = logging.getLogger(__name__)
 
 _starting_engine = False
 """True while an engine starts in this process: only its forks forget the rank's state."""
@@ -92,16 +95,34 @@ def _close_tcp_sockets() -> None:
 os.register_at_fork(after_in_child=_forget_the_rank)
 
 
+def fork_hazard() -> str | None:
+    """Why a child forked from this process now could hang, or None.
+
+    GNU OpenMP (torch's intra-op pool on Linux) is not fork-safe: a child forked after the pool
+    ran waits forever for threads that stayed in the parent at its first parallel op (seen: a
+    scheduler stuck building its rotary cache). With one intra-op thread torch opens no
+    parallel region. torchrun sets OMP_NUM_THREADS=1 for every rank unless told otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() > 1:
+        return (f"torch runs {torch.get_num_threads()} intra-op threads here, and a child forked after "
+                "OpenMP's thread pool ran can hang (OMP_NUM_THREADS=1 allows the fork)")
+    return None
+
+
 @contextlib.contextmanager
-def forked_engine_children(wanted: bool = True) -> Iterator[None]:
-    """While an `sglang.Engine` is built inside this block, its children are forked, if `wanted`
-    and `fork_allowed()`; else the block changes nothing.
+def forked_engine_children(wanted: bool = True) -> Iterator[bool]:
+    """While an `sglang.Engine` is built inside this block, its children are forked, if `wanted`,
+    `fork_allowed()` and there is no `fork_hazard()`; else the block changes nothing. Yields
+    whether they are forked.
 
     SGLang sets the start method to `spawn` in `_set_envs_and_config`, just before it starts
     them; the wrapper sets `fork` right after, and the block restores `spawn` on exit."""
     global _starting_engine
-    if not (wanted and fork_allowed()):
-        yield
+    hazard = fork_hazard() if wanted and fork_allowed() else None
+    if hazard:
+        logger.warning("SGLang's scheduler and detokenizer are spawned, not forked: %s", hazard)
+    if not (wanted and fork_allowed()) or hazard:
+        yield False
         return
     import multiprocessing as mp
 
@@ -117,7 +138,7 @@ def forked_engine_children(wanted: bool = True) -> Iterator[None]:
     engine_module._set_envs_and_config = then_fork
     _starting_engine = True
     try:
-        yield
+        yield True
     finally:
         _starting_engine = False
         engine_module._set_envs_and_config = upstream

@@ -160,12 +160,14 @@ class RolloutEngine:
         # Private to this user (0700): the FileStore is the engine's rendezvous, no TCP port.
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tide-sglang-") if _wants_file_rendezvous(kwargs) else None
         try:
-            with _scheduler_environment(self._rendezvous_dir), forked_engine_children(cfg.forks_children()):
+            with _scheduler_environment(self._rendezvous_dir), forked_engine_children(cfg.forks_children()) as forked:
                 self._engine = Engine(**kwargs)
         except BaseException:
             if self._rendezvous_dir is not None:
                 shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             raise
+        self.children_forked: bool = forked
+        """SGLang's scheduler and detokenizer were forked from this process, not spawned."""
         root.handlers[:] = handlers
         root.setLevel(level)
         logging.getLogger("sglang").setLevel(cfg.log_level.upper())

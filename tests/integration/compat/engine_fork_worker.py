@@ -34,7 +34,8 @@ def main() -> None:
             engine.generate([1, 2, 3, 4], {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}))
         children = [p.pid for p in psutil.Process().children(recursive=True)]
         report = {"children": children, "forked": sorted(int(p.name) for p in marks.iterdir()),
-                  "generated": len(out.output_ids), "rank_group_kept": dist.is_initialized()}
+                  "generated": len(out.output_ids), "rank_group_kept": dist.is_initialized(),
+                  "children_forked": engine.children_forked}
     finally:
         engine.shutdown()
     (Path(args.out) / "results.json").write_text(json.dumps(report))

@@ -72,10 +72,27 @@ def test_only_a_fork_during_engine_start_forgets_the_ranks_groups_signals_and_tc
 @pytest.mark.parametrize("fork", [True, False])
 def test_an_engine_started_beside_the_ranks_group_forks_its_children_when_asked(tmp_path, fork):
     report = run_report(Path(__file__).with_name("engine_fork_worker.py"), tmp_path, "--fork", int(fork), timeout=300)
-    assert report["generated"] == 4 and report["rank_group_kept"]
+    assert report["generated"] == 4 and report["rank_group_kept"] and report["children_forked"] == fork
     assert len(report["children"]) >= 2  # scheduler and detokenizer
     forked = set(report["children"]) & set(report["forked"])
     assert forked == (set(report["children"]) if fork else set())
+
+
+def test_children_are_spawned_while_torch_runs_several_intra_op_threads():
+    import torch
+
+    from tide_megatron.compat import sglang_fork
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert sglang_fork.fork_hazard() is None
+        torch.set_num_threads(2)
+        assert "2 intra-op threads" in sglang_fork.fork_hazard()
+        with sglang_fork.forked_engine_children() as forked:
+            assert not forked and not sglang_fork._starting_engine
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_upstream_still_spawns_from_the_function_the_wrapper_follows():
