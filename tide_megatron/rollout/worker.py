@@ -241,8 +241,8 @@ class RolloutWorker:
     async def _main(self) -> str:
         cfg = self.engine.cfg
         forked = getattr(self.engine, "children_forked", None)  # None: an emulated engine, no SGLang children
-        logger.info("rollout rank %d: pid %d, engine ready (restarts: %d%s)", self.rank, os.getpid(), self.engine_restarts,
-                    "" if forked is None else f"; SGLang's children {'forked' if forked else 'spawned'}")
+        logger.info("rollout rank %d: pid %d, engine ready (restarts: %d)%s", self.rank, os.getpid(), self.engine_restarts,
+                    "" if forked is None else f", SGLang's children {'forked' if forked else 'spawned'}")
         facts = EngineFacts(kv_tokens=self.engine.kv_tokens, request_rows=self.engine.request_rows,
                             max_total_tokens=cfg.max_total_tokens, max_running_requests=cfg.max_running_requests,
                             use_sessions=cfg.use_sessions, restarts=self.engine_restarts,
