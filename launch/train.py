@@ -61,23 +61,5 @@ def main(cfg) -> None:
         sys.exit(1)
 
 
-def exit_without_teardown() -> None:
-    """End a rank whose job has closed without the interpreter's teardown, which frees the
-    objects of torch, Megatron-core and SGLang one by one (seconds a rank on a loaded machine;
-    `benchmarks/engine_start.py`'s drill job). What a normal exit runs first still runs: the
-    wait for non-daemon threads and the exit handlers (logging, multiprocessing's children)."""
-    import atexit
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     main()
-    exit_without_teardown()
