@@ -118,10 +118,11 @@ def forked_engine_children(wanted: bool = True) -> Iterator[bool]:
     SGLang sets the start method to `spawn` in `_set_envs_and_config`, just before it starts
     them; the wrapper sets `fork` right after, and the block restores `spawn` on exit."""
     global _starting_engine
-    hazard = fork_hazard() if wanted and fork_allowed() else None
+    allowed = wanted and fork_allowed()
+    hazard = fork_hazard() if allowed else None
     if hazard:
         logger.warning("SGLang's scheduler and detokenizer are spawned, not forked: %s", hazard)
-    if not (wanted and fork_allowed()) or hazard:
+    if not allowed or hazard:
         yield False
         return
     import multiprocessing as mp
