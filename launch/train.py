@@ -10,11 +10,30 @@ and exits 1 with one line naming the key to change when the plan cannot work.
 
 from __future__ import annotations
 
-import faulthandler
-import logging
+import atexit
 import os
-import signal
 import sys
+
+_CLOSED_CLEANLY = False
+
+
+def _exit_without_teardown() -> None:
+    """A rank whose job closed cleanly ends here, before the interpreter frees the objects of
+    torch, Megatron-core and SGLang one by one (seconds per rank on a loaded host). Registered
+    before anything else, this exit handler runs last: by now the executors have stopped, the
+    non-daemon threads are joined and every other exit handler (logging's, multiprocessing's)
+    has run, as in a normal exit."""
+    if _CLOSED_CLEANLY:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+atexit.register(_exit_without_teardown)
+
+import faulthandler  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
 
@@ -63,3 +82,4 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     main()
+    _CLOSED_CLEANLY = True  # a failed rank leaves by SystemExit or an exception and tears down as usual
