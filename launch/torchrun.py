@@ -45,6 +45,7 @@ from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV  # noqa: E402
 LOOPBACK = "127.0.0.1"
 LAUNCH_ID_ENV = "TIDE_LAUNCH_ID"
 SHM_MANAGER = "torch_shm_manager"
+SHM_DIR = "/dev/shm"
 _NODE_OPTIONS = ("standalone", "rdzv_endpoint", "rdzv_conf", "local_addr")
 
 
@@ -129,13 +130,23 @@ def describe_failures(exc) -> str:
     return "launch/torchrun.py: the job failed: " + ", then ".join(parts) + "; each rank's line above says why"
 
 
-def reap_leftovers(launch_id: str, grace_s: float = 10.0) -> int:
+def torch_shm_files() -> set[str]:
+    """Names of the /dev/shm files torch's `file_system` sharing made (`torch_<pid>_...`)."""
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith("torch_")}
+    except OSError:
+        return set()
+
+
+def reap_leftovers(launch_id: str, shm_before: set[str] | None = None, grace_s: float = 10.0) -> int:
     """Kill every process (but this one) whose environment carries `launch_id`; returns how many.
 
     torch's shared-memory managers (`torch_shm_manager`, started by the weight sync's shared
-    buckets) go last and get `grace_s` to exit by themselves: each unlinks the /dev/shm files
-    its processes left behind (a killed SGLang scheduler never drops its mapping) once they are
-    all gone, which a SIGKILL would prevent."""
+    buckets) go last. Each unlinks the /dev/shm files its processes left behind (a killed SGLang
+    scheduler never drops its mapping) 2 s after its last client is gone, which a SIGKILL would
+    prevent; so while a torch file that was not there before the job (`shm_before`) remains,
+    they get `grace_s` to do that and exit by themselves. After a clean job no such file
+    remains (the weight sync unlinks its buffers at exit) and they go at once."""
     import psutil
 
     def ours() -> list:
@@ -154,17 +165,22 @@ def reap_leftovers(launch_id: str, grace_s: float = 10.0) -> int:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return False
 
-    killed = 0
-    for last in (False, True):
-        procs = [p for p in ours() if is_shm_manager(p) == last]
-        if last and procs:
-            _, procs = psutil.wait_procs(procs, timeout=grace_s)
+    def kill(procs: list) -> int:
+        killed = 0
         for proc in procs:
             try:
                 proc.kill()
                 killed += 1
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
+        return killed
+
+    killed = kill([p for p in ours() if not is_shm_manager(p)])
+    managers = [p for p in ours() if is_shm_manager(p)]
+    if managers and (shm_before is None or torch_shm_files() - shm_before):
+        _, managers = psutil.wait_procs(managers, timeout=grace_s)
+        return killed + kill(managers)
+    kill(managers)  # nothing left for them to free: not left behind, just not yet gone
     return killed
 
 
@@ -186,6 +202,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     os.environ[CONTROL_LOOPBACK_ENV] = "1"
     launch_id = os.environ[LAUNCH_ID_ENV] = uuid.uuid4().hex  # fresh: a nested launch reaps its own only
+    shm_before = torch_shm_files()
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
@@ -195,7 +212,7 @@ def main(argv: list[str]) -> int:
         print(f"launch/torchrun.py: stopped by signal {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
-        left = reap_leftovers(launch_id)
+        left = reap_leftovers(launch_id, shm_before)
         if left:
             print(f"launch/torchrun.py: stopped {left} process(es) the job left behind", file=sys.stderr)
     return 0

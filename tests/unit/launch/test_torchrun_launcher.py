@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -95,6 +96,63 @@ def test_leftovers_of_this_launch_are_reaped_and_nothing_else():
     finally:
         other.kill()
         other.wait()
+
+
+def launcher_processes(launch_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(launcher.LAUNCH_ID_ENV) == launch_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+SHARES_A_TENSOR = """
+import time, torch, torch.multiprocessing as mp
+mp.set_sharing_strategy("file_system")  # as the weight sync's buckets: starts a torch_shm_manager
+t = torch.zeros(4).share_memory_()
+print(t.untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/"), flush=True)
+time.sleep(120)
+"""
+
+
+def test_shm_managers_get_time_to_free_a_killed_jobs_files_and_none_when_nothing_is_left(monkeypatch):
+    """A process of each launch shares a tensor by /dev/shm name and is killed, as a rank killed
+    mid-run would be. Launch a's file is new since its start: the reaper waits for a's manager,
+    which unlinks the file and exits by itself. Launch b's file was there before its start
+    (nothing of b's own is left to free): b's manager is killed without a wait."""
+    before = launcher.torch_shm_files()
+    procs = {launch: subprocess.Popen([sys.executable, "-c", SHARES_A_TENSOR], stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, launcher.LAUNCH_ID_ENV: launch})
+             for launch in ("launch-a", "launch-b")}
+    files = {}
+    waited = []
+    real_wait = psutil.wait_procs
+
+    def wait_procs(procs, timeout):
+        waited.append([p.pid for p in procs])
+        return real_wait(procs, timeout=timeout)
+
+    monkeypatch.setattr(psutil, "wait_procs", wait_procs)
+    try:
+        for launch, proc in procs.items():
+            files[launch] = proc.stdout.readline().strip()
+            assert files[launch] in launcher.torch_shm_files() - before, proc.poll()
+        assert launcher.reap_leftovers("launch-a", before | {files["launch-b"]}) == 1  # the sharing process
+        assert len(waited) == 1 and files["launch-a"] not in launcher.torch_shm_files()
+        assert launcher.reap_leftovers("launch-b", before | {files["launch-b"]}) == 1
+        assert len(waited) == 1  # no wait for b's manager
+        deadline = time.monotonic() + 10  # a SIGKILL takes effect soon, not at once
+        while (running := [p for launch in procs for p in launcher_processes(launch)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        for name in files.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(launcher.SHM_DIR, name))
 
 
 def test_a_signalled_launch_stops_its_ranks_and_says_so_in_one_line(tmp_path):
