@@ -444,3 +444,14 @@ class RolloutEngine:
                 child.join(timeout=1)
             if self._rendezvous_dir is not None:
                 shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.load_snapshot_file)
+
+    @property
+    def load_snapshot_file(self) -> str:
+        """The /dev/shm file in which SGLang's scheduler publishes its load. Nothing upstream
+        unlinks it (SGLang's own CI sweeps such files at job start), so without `shutdown`'s
+        unlink every engine start would leave one behind."""
+        from sglang.srt.managers.load_snapshot import shm_path_for
+
+        return shm_path_for(self._engine.port_args.instance_id)

@@ -1,7 +1,7 @@
 """One rollout engine started inside a process that already holds a torch.distributed group (as
 a torchrun rank does), for test_sglang_fork.py: it reports which of the engine's children were
-forked (an at-fork hook leaves a mark; a spawn runs no Python hook in its child) and whether the
-engine generates."""
+forked (an at-fork hook leaves a mark; a spawn runs no Python hook in its child), whether the
+engine generates, and whether its shutdown leaves SGLang's load snapshot file behind."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def main() -> None:
         children = [p.pid for p in psutil.Process().children(recursive=True)]
         report = {"children": children, "forked": sorted(int(p.name) for p in marks.iterdir()),
                   "generated": len(out.output_ids), "rank_group_kept": dist.is_initialized(),
-                  "children_forked": engine.children_forked}
+                  "children_forked": engine.children_forked,
+                  "load_snapshot_file_while_up": os.path.exists(engine.load_snapshot_file)}
     finally:
         engine.shutdown()
+    report["load_snapshot_file_after_shutdown"] = os.path.exists(engine.load_snapshot_file)
     (Path(args.out) / "results.json").write_text(json.dumps(report))
 
 

@@ -76,6 +76,8 @@ def test_an_engine_started_beside_the_ranks_group_forks_its_children_when_asked(
     assert len(report["children"]) >= 2  # scheduler and detokenizer
     forked = set(report["children"]) & set(report["forked"])
     assert forked == (set(report["children"]) if fork else set())
+    # SGLang never unlinks its scheduler's load file in /dev/shm; the engine's shutdown does
+    assert report["load_snapshot_file_while_up"] and not report["load_snapshot_file_after_shutdown"]
 
 
 def test_children_are_spawned_while_torch_runs_several_intra_op_threads():
