@@ -297,9 +297,10 @@ class Job:
         self.logs = Logs(run_dir)
 
     def ranks(self) -> dict[int, psutil.Process]:
-        """torchrun's workers by rank: its children that run launch/train.py."""
+        """torchrun's workers by rank: the processes under it that run launch/train.py (its
+        children, or its forkserver's where ranks are forked: `forked_ranks`)."""
         out = {}
-        for p in self.root.children():
+        for p in self.root.children(recursive=True):
             try:
                 if "train.py" in " ".join(p.cmdline()) and "RANK" in p.environ():
                     out[int(p.environ()["RANK"])] = p

@@ -18,6 +18,10 @@ With `--max-restarts N` a failed job is restarted on the same store; with `run.r
 continues from its last good checkpoint (README, "Restartable jobs"). A job that fails ends
 with one line per rank (above) and one summary line here, not torchrun's traceback report.
 
+Where no GPU is present the ranks are forked from a server that has imported torch,
+Megatron-core and SGLang once (`tide_megatron/utils/forked_ranks.py`; `TIDE_PRELOAD_RANKS=0`
+starts each rank as a fresh interpreter, as torchrun does).
+
 When the job ends, processes it left behind are stopped: a rank killed mid-run (SIGKILL, the
 OOM killer) cannot stop its helpers, e.g. the spawn Manager that Megatron's checkpoint writer
 starts, and torchrun only signals the process groups of ranks still alive. Every process of
@@ -40,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
+from tide_megatron.utils import forked_ranks  # noqa: E402
 from tide_megatron.utils.net import CONTROL_LOOPBACK_ENV  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
@@ -153,7 +158,8 @@ def reap_leftovers(launch_id: str, shm_before: set[str] | None = None, grace_s: 
         found = []
         for proc in psutil.process_iter():
             try:
-                if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id:
+                if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id \
+                        and not (proc.ppid() == os.getpid() and forked_ranks.is_resource_tracker(proc.cmdline())):
                     found.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
@@ -186,6 +192,7 @@ def reap_leftovers(launch_id: str, shm_before: set[str] | None = None, grace_s: 
 
 def main(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -203,8 +210,14 @@ def main(argv: list[str]) -> int:
     os.environ[CONTROL_LOOPBACK_ENV] = "1"
     launch_id = os.environ[LAUNCH_ID_ENV] = uuid.uuid4().hex  # fresh: a nested launch reaps its own only
     shm_before = torch_shm_files()
+    forked = forked_ranks.wanted()
     try:
-        torchrun.run(args)
+        if forked:
+            forked_ranks.configure(args)
+            config, _, script_and_args = torchrun.config_from_args(args)
+            elastic_launch(config, entrypoint=forked_ranks.run_rank)(*script_and_args)
+        else:
+            torchrun.run(args)
     except ChildFailedError as exc:
         print(describe_failures(exc), file=sys.stderr)
         return 1
@@ -212,7 +225,11 @@ def main(argv: list[str]) -> int:
         print(f"launch/torchrun.py: stopped by signal {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
+        if forked:
+            forked_ranks.stop_forkserver()
         left = reap_leftovers(launch_id, shm_before)
+        if forked:  # after the reap: the job's processes hold its pipe too
+            forked_ranks.stop_resource_tracker()
         if left:
             print(f"launch/torchrun.py: stopped {left} process(es) the job left behind", file=sys.stderr)
     return 0

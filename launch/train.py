@@ -23,7 +23,11 @@ def _exit_without_teardown() -> None:
     before anything else, this exit handler runs last: by now the executors have stopped, the
     non-daemon threads are joined and every other exit handler (logging's, multiprocessing's)
     has run, as in a normal exit."""
-    if _CLOSED_CLEANLY:
+    import multiprocessing
+
+    # A rank forked by `forked_ranks` is a multiprocessing child: it runs these handlers itself
+    # and must return to torchrun's wrapper, which reports its end and exits without teardown.
+    if _CLOSED_CLEANLY and multiprocessing.parent_process() is None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

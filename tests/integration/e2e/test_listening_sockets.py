@@ -45,6 +45,8 @@ def process_kind(cmdline: list[str], name: str) -> str | None:
     sockets, which are counted under the parent, and checked for loopback all the same."""
     if not "".join(cmdline).strip():
         return None
+    if not "".join(cmdline[1:]):  # a title (setproctitle: a forked rank, SGLang's children) is one string
+        cmdline = cmdline[0].split()
     head = cmdline[:3]  # the interpreter, maybe `-u` or `-m`, then the script or module
     for script in ("launch/torchrun.py", "launch/train.py"):
         if any(arg.endswith(script) for arg in head):
