@@ -329,6 +329,9 @@ def engine_start(r: dict) -> str:
            f"{f['engine_tree_cpu_s']['mean']['spawn']:.1f} s")
     if f.get("job_wall_s", {}).get("mean"):
         out += f"; ERS drill job {f['job_wall_s']['mean']['fork']:.0f} s against {f['job_wall_s']['mean']['spawn']:.0f} s"
+    if f.get("rank_job_wall_s", {}).get("mean"):
+        out += (f"; the same job with its ranks forked from the preloaded server {f['rank_job_wall_s']['mean']['forked']:.0f} s, "
+                f"started as fresh interpreters {f['rank_job_wall_s']['mean']['started']:.0f} s")
     return out
 
 

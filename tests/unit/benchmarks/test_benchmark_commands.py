@@ -26,10 +26,18 @@ import hydra_schema  # noqa: E402
 from tide_megatron.config import JobConfig, validate  # noqa: E402
 
 
+class LaunchedJobs(list):
+    """(nproc, JobConfig) per launch, and in `envs` each launch's environment."""
+
+    def __init__(self):
+        super().__init__()
+        self.envs: list[dict[str, str]] = []
+
+
 @pytest.fixture()
 def launched(monkeypatch):
     """The jobs a benchmark launches, as (nproc, JobConfig); each run fails without starting."""
-    jobs: list[tuple[int, JobConfig]] = []
+    jobs = LaunchedJobs()
     hydra_schema.register()
     real_run = subprocess.run
 
@@ -44,6 +52,7 @@ def launched(monkeypatch):
             job = hydra_schema.to_job_config(compose(config_name="config", overrides=overrides))
         validate(job, nproc)
         jobs.append((nproc, job))
+        jobs.envs.append(kwargs.get("env") or {})
         return subprocess.CompletedProcess(cmd, 1, "", "dry run")
 
     monkeypatch.setattr(subprocess, "run", dry_run)
@@ -131,10 +140,14 @@ def test_the_paired_benchmarks_alternate_their_two_variants(name, override, laun
 
 def test_engine_start_times_the_drill_job_with_forked_and_spawned_children(launched, monkeypatch, tmp_path):
     out = tmp_path / "engine_start.json"
-    assert run_script("engine_start", monkeypatch, "--engine-reps", "0", "--job-reps", "2", "--out", str(out)) == 1
-    assert [job.rollout.engine.fork_children for _, job in launched] == [True, False, False, True]
+    assert run_script("engine_start", monkeypatch, "--engine-reps", "0", "--job-reps", "2", "--rank-job-reps", "2",
+                      "--out", str(out)) == 1
+    # SGLang's children forked and spawned, then the ranks forked and started (children forked)
+    assert [job.rollout.engine.fork_children for _, job in launched] == [True, False, False, True] + [True] * 4
+    assert [env["TIDE_PRELOAD_RANKS"] for env in launched.envs] == ["1"] * 4 + ["1", "0", "0", "1"]
     for nproc, job in launched:
         assert nproc == 4 and job.scheduler.mode == "tide" and job.ers.drill_every == 1 and job.run.steps == 5
     data = json.loads(out.read_text())
     assert data["command"].startswith("python benchmarks/engine_start.py") and data["figures"]["engine_ready_s"]["mean"] == {}
-    assert len(data["job_runs"]) == 4 and all(r["failed"] and "dry run" in r["error"] for r in data["job_runs"])
+    for runs in (data["job_runs"], data["rank_job_runs"]):
+        assert len(runs) == 4 and all(r["failed"] and "dry run" in r["error"] for r in runs)
