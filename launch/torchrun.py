@@ -210,7 +210,7 @@ def main(argv: list[str]) -> int:
     os.environ[CONTROL_LOOPBACK_ENV] = "1"
     launch_id = os.environ[LAUNCH_ID_ENV] = uuid.uuid4().hex  # fresh: a nested launch reaps its own only
     shm_before = torch_shm_files()
-    forked = forked_ranks.wanted()
+    forked = forked_ranks.wanted() and forked_ranks.can_run(args)
     try:
         if forked:
             forked_ranks.configure(args)

@@ -45,6 +45,12 @@ def wanted(setting: str | None = None) -> bool:
     return not torch.cuda.is_available()
 
 
+def can_run(args) -> bool:
+    """Whether torchrun's parsed `args` name a Python script file, which a forked rank runs; a
+    module (`-m`) or another program (`--no-python`) starts as torchrun starts it."""
+    return not (args.no_python or args.module)
+
+
 def configure(args) -> None:
     """Point torchrun's parsed `args` at forked ranks: the forkserver start method, the script
     run in the rank's interpreter, and the modules the server imports first. The environment
@@ -53,8 +59,6 @@ def configure(args) -> None:
     reads it when torch loads) and unbuffered output, as torchrun's `python -u` has."""
     import multiprocessing
 
-    if args.no_python or args.module:
-        raise ValueError("forked ranks run a Python script file (not --no-python or --module)")
     args.start_method = "forkserver"
     args.run_path = True
     args.training_script = os.path.abspath(args.training_script)

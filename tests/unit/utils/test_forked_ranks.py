@@ -36,3 +36,11 @@ def test_torchruns_line_for_a_failed_forked_rank_loses_its_traceback_only():
     assert forked_ranks._failure_in_one_line(failed) and failed.exc_info is None
     assert failed.getMessage() == "failed (exitcode: 1) local_rank: 0"
     assert forked_ranks._failure_in_one_line(other) and other.exc_info is exc_info
+
+
+@pytest.mark.parametrize("argv,forkable", [(["launch/train.py", "+recipe=tiny_cpu"], True),
+                                           (["-m", "some.module"], False), (["--no-python", "echo"], False)])
+def test_only_a_python_script_file_runs_in_a_forked_rank(argv, forkable):
+    from torch.distributed import run
+
+    assert forked_ranks.can_run(run.parse_args(["--nproc-per-node", "2", *argv])) == forkable
