@@ -15,17 +15,18 @@ setup:
 tiny: setup
 	$(PY) launch/torchrun.py --nproc-per-node 2 launch/train.py +recipe=tiny_cpu scheduler.mode=tide
 
-# Unit-tier tests run in parallel on the host's cores (pytest-xdist, at most 4 workers); the
-# integration tier runs one test at a time, since each of its jobs keeps every core busy itself.
-UNIT_WORKERS := -n auto --maxprocesses 4
+# The unit tier (pure-Python and fast CPU tests) runs in parallel on the host's cores
+# (pytest-xdist, at most 4 workers); the integration tier runs one test at a time, since each of
+# its jobs keeps every core busy itself.
+UNIT_TESTS := $(PY) -m pytest -q -n auto --maxprocesses 4 -m "not integration" tests
 
 # Every test tier that runs here (GPU tests skip with a reason when CUDA is absent): the unit
 # tier, then the integration tier even when the first failed; fails when either did.
 test: setup
-	$(PY) -m pytest -q $(UNIT_WORKERS) -m "not integration" tests; unit=$$?; \
+	$(UNIT_TESTS); unit=$$?; \
 	$(PY) -m pytest -q --durations=15 -m integration tests; integration=$$?; \
 	exit $$(( unit || integration ))
 
-# Pure-Python and fast CPU tests only.
+# The unit tier only.
 test-fast: setup
-	$(PY) -m pytest -q $(UNIT_WORKERS) -m "not integration" tests
+	$(UNIT_TESTS)

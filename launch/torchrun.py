@@ -143,6 +143,22 @@ def torch_shm_files() -> set[str]:
         return set()
 
 
+def launch_processes(launch_id: str) -> list:
+    """The live processes (psutil) whose environment carries `launch_id`, but this one and its own
+    resource tracker (a zombie's environment cannot be read: it is left out)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id \
+                    and not (proc.ppid() == os.getpid() and forked_ranks.is_resource_tracker(proc.cmdline())):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def reap_leftovers(launch_id: str, shm_before: set[str] | None = None, grace_s: float = 10.0) -> int:
     """Kill every process (but this one) whose environment carries `launch_id`; returns how many.
 
@@ -155,15 +171,7 @@ def reap_leftovers(launch_id: str, shm_before: set[str] | None = None, grace_s: 
     import psutil
 
     def ours() -> list:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid != os.getpid() and proc.environ().get(LAUNCH_ID_ENV) == launch_id \
-                        and not (proc.ppid() == os.getpid() and forked_ranks.is_resource_tracker(proc.cmdline())):
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return found
+        return launch_processes(launch_id)
 
     def is_shm_manager(proc) -> bool:
         try:

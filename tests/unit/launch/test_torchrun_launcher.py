@@ -98,15 +98,6 @@ def test_leftovers_of_this_launch_are_reaped_and_nothing_else():
         other.wait()
 
 
-def launcher_processes(launch_id: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get(launcher.LAUNCH_ID_ENV) == launch_id and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
-
-
 SHARES_A_TENSOR = """
 import time, torch, torch.multiprocessing as mp
 mp.set_sharing_strategy("file_system")  # as the weight sync's buckets: starts a torch_shm_manager
@@ -143,7 +134,7 @@ def test_shm_managers_get_time_to_free_a_killed_jobs_files_and_none_when_nothing
         assert launcher.reap_leftovers("launch-b", before | {files["launch-b"]}) == 1
         assert len(waited) == 1  # no wait for b's manager
         deadline = time.monotonic() + 10  # a SIGKILL takes effect soon, not at once
-        while (running := [p for launch in procs for p in launcher_processes(launch)]) and time.monotonic() < deadline:
+        while (running := [p for launch in procs for p in launcher.launch_processes(launch)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not running
     finally:
