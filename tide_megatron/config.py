@@ -43,6 +43,11 @@ class RunConfig:
     """Stop after the step during which this much wall time has passed since the first dispatch
     (a checkpoint is written as at the last step); 0: no limit. For batch-system time limits
     and soak runs."""
+    stop_file: str = "STOP"
+    """Creating this file ends the run after the current step, with a checkpoint as at the last
+    step (`touch <output_dir>/STOP`: a clean stop from outside, such as a batch system's warning
+    before its time limit). A relative path is under `output_dir`; "" turns it off. One left by
+    an earlier run is removed when the run starts, with a line saying so."""
     checkpoint_interval: int = 0
     """Save a Megatron dist checkpoint every this many steps (0: only at the end)."""
     resume: str = "false"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from tide_megatron.comm.mailbox import Mailbox
@@ -93,6 +94,9 @@ class Controller:
         self.eval_tasks = eval_tasks or []
         self._run_started = time.monotonic()
         self._time_noted = False
+        stop_file = cfg.run.stop_file and Path(cfg.run.output_dir) / cfg.run.stop_file
+        self._stop_file: Optional[Path] = stop_file or None
+        self._stop_noted = False
         self._eval_pending: Optional[int] = None
         self._eval_s = 0.0  # the last complete evaluation's duration (0: none yet)
         batch = sched.groups_per_step * sched.group_size
@@ -137,6 +141,9 @@ class Controller:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
+        if self._stop_file is not None and self._stop_file.exists():  # not this run's request
+            self._stop_file.unlink()
+            self.metrics.write(f"removed {self._stop_file}, left by an earlier run")
         self.rollout.start()
         try:
             n = len(self.topo.rollout_ranks)
@@ -304,13 +311,17 @@ class Controller:
                               self.cfg.scheduler.weight_sync_timeout_s + 60.0, f"the weights of version {version}")
 
     def _last_step_done(self) -> bool:
-        """`run.steps` reached, or `run.max_wall_minutes` passed since the first dispatch."""
+        """`run.steps` reached, `run.max_wall_minutes` passed since the first dispatch, or
+        `run.stop_file` created."""
         limit = self.cfg.run.max_wall_minutes
         out_of_time = limit > 0 and time.monotonic() - self._run_started > 60.0 * limit
         if out_of_time and self.step < self.cfg.run.steps and not self._time_noted:
             self._time_noted = True
             self.metrics.write(f"run.max_wall_minutes={limit:g} reached: stopping after step {self.step}")
-        return self.step >= self.cfg.run.steps or out_of_time
+        if not self._stop_noted and self._stop_file is not None and self._stop_file.exists():
+            self._stop_noted = True  # stays requested: the file may go before the checkpoint is written
+            self.metrics.write(f"{self._stop_file} found: stopping after step {self.step}")
+        return self.step >= self.cfg.run.steps or out_of_time or self._stop_noted
 
     def _maybe_checkpoint(self) -> float:
         interval = self.cfg.run.checkpoint_interval

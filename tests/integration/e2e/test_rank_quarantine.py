@@ -6,9 +6,10 @@ gives up after `scheduler.weight_broadcast_timeout_s`, and the update group is r
 without it, then with it once it rejoined (by the host path). The run completes every step with whole groups, no token lost and the staleness
 bound held. Three ranks: the trainer (+ controller) and two rollout ranks.
 
-The run's length is wall time (`run.max_wall_minutes`), not a step count: steps take from a
-fifth of a second to over a second here depending on the load, and a fixed count either ended
-the run before the rejoin or made the test slow."""
+The run's length is set by what happens, not by a step count: steps take from a fifth of a
+second to over a second here depending on the load, and a fixed count either ended the run
+before the rejoin or made the test slow. Once a step has trained after the rejoin, the test
+creates the run's stop file (`run.stop_file`), and the run ends after its current step."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ REPO = Path(__file__).resolve().parents[3]
 # and the healthy rank was taken for silent too.
 HEARTBEAT_TIMEOUT_S = 8.0
 BROADCAST_TIMEOUT_S = 4.0  # the broadcast path: a sync stuck on the hung member gives up after this
-WALL_MINUTES = 0.75  # from the first dispatch: the rank is stopped ~1 s in, for 14 s; rejoins ~2-7 s later
+WALL_MINUTES = 5.0  # a backstop: the stop file ends the run ~20-30 s after the first dispatch
+REJOINED = re.compile(r"rollout rank 2 rejoined with the weights of version (\d+)")
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -80,6 +82,11 @@ def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode, weight_s
         time.sleep(HEARTBEAT_TIMEOUT_S + 6.0)  # past the timeout by several heartbeat intervals
         os.kill(stopped_pid, signal.SIGCONT)
         stopped_pid = None
+        log0 = tmp_path / "logs" / "rank0.log"
+        version = int(wait_for("rank 2 to rejoin", lambda: (m := REJOINED.search(log0.read_text())) and m.group(1),
+                               proc, 300))
+        wait_for("a step on the rejoined rank's weights", lambda: len(rows(tmp_path)) > version, proc, 300)
+        (tmp_path / "STOP").touch()
         out, err = proc.communicate(timeout=600)
     finally:
         if stopped_pid is not None:
@@ -98,8 +105,9 @@ def test_a_hung_rollout_rank_is_quarantined_and_rejoins(tmp_path, mode, weight_s
     assert last["rollout/quarantines"] == 1 and last["rollout/rejoins"] == 1 and last["rollout/out_of_service"] == 0
     log0 = (tmp_path / "logs" / "rank0.log").read_text()
     assert re.search(r"quarantined rollout rank 2: rollout rank 2 sent nothing for \d+ s", log0)
-    rejoined = re.search(r"rollout rank 2 rejoined with the weights of version (\d+)", log0)
+    rejoined = REJOINED.search(log0)
     assert rejoined and int(rejoined.group(1)) < len(steps)  # and the run went on with it
+    assert f"{tmp_path / 'STOP'} found: stopping after step" in log0 and len(steps) < 1000
     assert "quarantined by rank 0" in log2.read_text()
     if weight_sync_path == "broadcast":  # the update group follows: without rank 2, then with it again
         formed = re.findall(r"weight update group \S+ formed with rollout ranks \[([\d, ]*)\]", log0)

@@ -47,8 +47,11 @@ def test_run_writes_metrics_every_step(trained):
 
 def test_checkpoints_and_resume(trained):
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    (trained / "STOP").touch()  # a stop file left by the earlier run does not stop this one
     checked_job(trained, "run.resume=true", *FAST, recipe="tiny_cpu", steps=3, timeout=600)
     assert [r["step"] for r in read_metrics(trained)] == [1, 2, 3]
+    assert not (trained / "STOP").exists()
+    assert f"removed {trained / 'STOP'}, left by an earlier run" in (trained / "logs" / "rank0.log").read_text()
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step_000003"
 
 
