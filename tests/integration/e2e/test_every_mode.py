@@ -38,14 +38,19 @@ def check(rows: list[dict], steps: int, groups: int) -> None:
     assert rows[-1]["ledger/wasted"] <= 0.02 * rows[-1]["ledger/generated"]
 
 
-# sync_split, the tiny recipe's own mode, is the run of test_train_tiny_cpu.py. The tide run also
-# logs to W&B and MLflow (metric_sinks.py; both in requirements/loggers.lock), the path a user takes.
+# sync_split, the tiny recipe's own mode, is the run of test_train_tiny_cpu.py. The tide run is the
+# README's command (`torchrun --nproc-per-node 3 launch/train.py +recipe=tiny_cpu scheduler.mode=tide
+# cluster.ref_ranks=1`: actor, reference rank, rollout rank), and it also logs to W&B and MLflow
+# (metric_sinks.py; both in requirements/loggers.lock), the path a user takes.
+SPLITS = {"sync": (3, ("cluster.rollout_share=0", "cluster.rollout_ranks=1")),  # rank 2 rolls out, rank 1 is lent
+          "tide": (3, ("cluster.ref_ranks=1",))}
+
+
 @pytest.mark.parametrize("mode", ["sync", "async_static", "stream", "tide"])
 def test_every_mode_trains(tmp_path, mode):
     sinks = mode == "tide"
     run_dir = tmp_path / "run"
-    # sync on 3 ranks: rank 2 starts in rollout, rank 1 starts as a trainer and is lent
-    ranks, split = (3, ("cluster.rollout_share=0", "cluster.rollout_ranks=1")) if mode == "sync" else (2, ())
+    ranks, split = SPLITS.get(mode, (2, ()))
     rows = train(run_dir, ranks, f"scheduler.mode={mode}", "run.steps=3", *split,
                  *(metric_sinks.OVERRIDES if sinks else ()), env=metric_sinks.job_env(tmp_path) if sinks else None)
     check(rows, 3, 4)
@@ -68,7 +73,8 @@ def test_every_mode_trains(tmp_path, mode):
 
 def check_timeline(run_dir: Path, rows: list[dict]) -> None:
     """timeline.json holds one record per step, with the step's RA2P mode and staleness as the
-    metrics log has them, and every rank's role; timeline.png is written next to it."""
+    metrics log has them, and every rank's role (rank 2 rolls out throughout); timeline.png is
+    written next to it."""
     timeline = json.loads((run_dir / "timeline.json").read_text())
     steps = timeline["steps"]
     assert [s["step"] for s in steps] == [r["step"] for r in rows]
@@ -76,14 +82,9 @@ def check_timeline(run_dir: Path, rows: list[dict]) -> None:
         assert s["ra2p_mode"] == r["ra2p/mode"] and s["ra2p_mode"] in ("colocated", "decoupled")
         assert s["staleness_max"] == r["staleness/max"] and s["staleness_mean"] == r["staleness/mean"]
         assert 0 <= s["start"] < s["end"] and s["rollout_ranks"] == 1
-    assert {int(k) for k in timeline["ranks"]} == {0, 1}
-    assert [span["role"] for span in timeline["ranks"]["1"]] == ["rollout"]
+    assert {int(k) for k in timeline["ranks"]} == {0, 1, 2}
+    assert [span["role"] for span in timeline["ranks"]["2"]] == ["rollout"]
     assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_the_readme_tide_command_finishes(tmp_path):
-    # torchrun --nproc-per-node 3 launch/train.py +recipe=tiny_cpu scheduler.mode=tide cluster.ref_ranks=1
-    check(train(tmp_path, 3, "scheduler.mode=tide", "cluster.ref_ranks=1", "run.steps=3"), 3, 4)
 
 
 @pytest.mark.parametrize("groups_per_step,pool_share", [(8, 1.5), (16, 0.1)])
@@ -96,27 +97,21 @@ def test_tide_finishes_with_larger_batches_and_any_kv_pool(tmp_path, groups_per_
     check(rows, 2, groups_per_step)
 
 
-def test_tide_trains_two_actor_dp_ranks_with_a_reference_rank(tmp_path):
-    """Streaming with DP=2 actors (ranks 0, 1), a reference rank (2) and a rollout rank (3): every
-    group completing during the step goes to one DP rank, both join the gradient all-reduce; RA2P
-    chooses the mode each step (the drill test below forces both layouts)."""
-    rows = train(tmp_path, 4, "scheduler.mode=tide", "cluster.rollout_ranks=1", "cluster.ref_ranks=1", "run.steps=3")
-    check(rows, 3, 4)
-    assert all(r["trainer/dp_size"] == 2 for r in rows)
-    assert all(r["grad_norm"] > 0 for r in rows)
-
-
 def test_trainer_roles_change_every_step_under_load(tmp_path):
     """ERS's drill moves the trainer side between its two layouts at every post-update boundary:
     colocated over ranks 0-2 (DP=3) and decoupled (DP=2 actors, rank 2 the reference). Rank 2
-    joins and leaves the actor group with state handed over, while rollout runs on rank 3."""
+    joins and leaves the actor group with state handed over, while rollout runs on rank 3.
+
+    Steps 1, 2 and 4 stream with DP=2 actors (ranks 0, 1) beside the reference rank: every group
+    completing during the step goes to one DP rank, and both join the gradient all-reduce."""
     rows = train(tmp_path, 4, "scheduler.mode=tide", "cluster.rollout_ranks=1", "cluster.ref_ranks=1",
                  "ers.enabled=true", "ers.drill_every=1", "run.steps=5")
     check(rows, 5, 4)
+    assert all(r["grad_norm"] > 0 for r in rows)
     # The roles in force during step k are those the boundary after step k-1 chose; no roles
-    # change after the last step (no step follows).
+    # change after the last step (no step follows). Step 1 runs on the start-up split.
     assert [r.get("ers/changes") for r in rows] == [1, 2, 3, 4, None]
-    assert [r["trainer/dp_size"] for r in rows[1:]] == [2, 3, 2, 3]
+    assert [r["trainer/dp_size"] for r in rows] == [2, 2, 3, 2, 3]
     assert {r["ra2p/mode"] for r in rows[1::2]} == {"decoupled"}
     assert all(r["ers/role_change_s"] > 0 for r in rows[:-1])
     timeline = json.loads((tmp_path / "timeline.json").read_text())
@@ -140,8 +135,7 @@ SLOW_ENV = slow_env(0.5)
 HANDOVER_LOAD = ["rollout.engine.max_total_tokens=2048", *slow_env(1.5)]
 
 
-@pytest.mark.parametrize("weight_sync_path", ["host", "broadcast"])
-def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path, weight_sync_path):
+def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path):
     """ERS's split drill on 3 ranks with a slow env (tasks are resident when a move comes):
     rank 1 leaves rollout and joins the actors (DP=2), serves as the reference (decoupled),
     returns to rollout, and joins the actors again. Its tasks are handed over to rank 2 and go on
@@ -149,18 +143,16 @@ def test_ranks_move_between_rollout_and_the_trainer_under_load(tmp_path, weight_
     staleness bound. After the rollout scale-down the buffer retains a reservoir
     (`scheduler.min_groups_per_step=2`): a step trains fewer groups, and nothing is wasted.
 
-    With the broadcast path the weight update group follows the split: rank 2 alone while rank
-    1 trains (it moved at the first boundary, before that sync), the same group kept at the
-    next sync, rank 1 sent the weights of its return by the host path, and then both in a
-    re-formed group."""
+    The weights go by the broadcast path, and its update group follows the split: rank 2 alone
+    while rank 1 trains (it moved at the first boundary, before that sync), the same group kept
+    at the next sync, rank 1 sent the weights of its return by the host path, and then both in a
+    re-formed group. (The host path alone, the default, carries the weights of every other ERS
+    test here: ranks returning to rollout in the TP-block and cold-start tests load by it.)"""
     rows = train(tmp_path, 3, "scheduler.mode=tide", "cluster.rollout_ranks=2", "ers.enabled=true",
                  "ers.drill=split", "ers.drill_every=1", "run.steps=4", "scheduler.min_groups_per_step=2",
-                 f"scheduler.weight_sync_path={weight_sync_path}", *HANDOVER_LOAD)
-    if weight_sync_path == "broadcast":
-        assert [(r["weights/host_ranks"], r["weights/broadcast_ranks"]) for r in rows] == [(0, 1), (0, 1), (1, 1),
-                                                                                        (0, 2)]
-        formed = [r["weights/group_rebuild_s"] > 0 for r in rows]
-        assert formed == [True, False, False, True]
+                 "scheduler.weight_sync_path=broadcast", *HANDOVER_LOAD)
+    assert [(r["weights/host_ranks"], r["weights/broadcast_ranks"]) for r in rows] == [(0, 1), (0, 1), (1, 1), (0, 2)]
+    assert [r["weights/group_rebuild_s"] > 0 for r in rows] == [True, False, False, True]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert 2 <= r["groups"] <= 4 and r["staleness/max"] <= 1 and r["ledger/lost"] == 0
