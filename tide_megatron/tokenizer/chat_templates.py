@@ -67,3 +67,22 @@ TINY_DEFAULT_SYSTEM = "You are a helpful assistant."
 
 QWEN2_5_CHAT_TEMPLATE = _TEMPLATE.replace("@DEFAULT_SYSTEM@", QWEN2_5_DEFAULT_SYSTEM)
 TINY_CHAT_TEMPLATE = _TEMPLATE.replace("@DEFAULT_SYSTEM@", TINY_DEFAULT_SYSTEM)
+
+
+def chatml_tokenizer_config(tokenizer_class: str, chat_template: str, model_max_length: int, **extra) -> dict:
+    """tokenizer_config.json for transformers with the ChatML specials (eos = <|im_end|>, pad =
+    <|endoftext|>, no bos); `extra`: further keys of the tokenizer class."""
+    return {
+        "tokenizer_class": tokenizer_class,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        **extra,
+        "model_max_length": model_max_length,
+        "chat_template": chat_template,
+    }

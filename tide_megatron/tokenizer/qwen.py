@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 
-from tide_megatron.tokenizer.chat_templates import QWEN2_5_CHAT_TEMPLATE
+from tide_megatron.tokenizer.chat_templates import QWEN2_5_CHAT_TEMPLATE, chatml_tokenizer_config
 
 QWEN2_5_FIRST_SPECIAL_ID = 151643
 QWEN2_5_MODEL_MAX_LENGTH = 131072
@@ -86,20 +86,7 @@ def build_qwen2_5_tokenizer():
 
 
 def qwen2_5_tokenizer_config() -> dict:
-    return {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "split_special_tokens": False,
-        "model_max_length": QWEN2_5_MODEL_MAX_LENGTH,
-        "chat_template": QWEN2_5_CHAT_TEMPLATE,
-    }
+    return chatml_tokenizer_config("Qwen2Tokenizer", QWEN2_5_CHAT_TEMPLATE, QWEN2_5_MODEL_MAX_LENGTH, errors="replace")
 
 
 def save_qwen2_5_tokenizer(out_dir: str) -> str:

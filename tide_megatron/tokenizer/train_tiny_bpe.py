@@ -24,7 +24,7 @@ import tempfile
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tide_megatron.tokenizer.chat_templates import TINY_CHAT_TEMPLATE, TINY_DEFAULT_SYSTEM
+from tide_megatron.tokenizer.chat_templates import TINY_CHAT_TEMPLATE, TINY_DEFAULT_SYSTEM, chatml_tokenizer_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT_PATTERN = (
@@ -154,28 +154,11 @@ def train(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     return tokenizer
 
 
-def tokenizer_config(chat_template: str, model_max_length: int) -> dict:
-    """tokenizer_config.json for transformers: ChatML specials, eos = <|im_end|>, pad = <|endoftext|>."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "model_max_length": model_max_length,
-        "chat_template": chat_template,
-    }
-
-
 def save(tokenizer: Tokenizer, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config(TINY_CHAT_TEMPLATE, model_max_length=4096), f, indent=2)
+        json.dump(chatml_tokenizer_config("PreTrainedTokenizerFast", TINY_CHAT_TEMPLATE, 4096), f, indent=2)
         f.write("\n")
 
 
