@@ -20,30 +20,34 @@ import time
 from pathlib import Path
 
 from cpu_busy import CpuBusySampler
+from rank_memory_sampler import RankMemorySampler
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = "text_emulated"
 
 
-def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: float) -> dict:
-    """Run the emulated recipe on `ranks` processes; returns its per-step metrics (`rows`), the
-    process wall time, the host's busy share over the training window and over the process, and
-    on failure `failed` with the end of stderr."""
+def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: float,
+                 env: dict[str, str] | None = None) -> dict:
+    """Run the emulated recipe on `ranks` processes (`env`: extra environment); returns its
+    per-step metrics (`rows`), the process wall time, the host's busy share over the training
+    window and over the process, the ranks' peak memory (`rank_memory_sampler.py`), and on
+    failure `failed` with the end of stderr."""
     with tempfile.TemporaryDirectory(prefix="emulated_") as tmp:
         args = [f"+recipe={RECIPE}", f"cluster.emulation.dilation={dilation}", "metrics.progress=false",
                 "metrics.tensorboard=false", "run.checkpoint_interval=0", *overrides]
         cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(ranks),
                str(REPO / "launch" / "train.py"), *args, f"run.output_dir={tmp}"]
         started = time.time()
-        with CpuBusySampler() as cpu:
+        with CpuBusySampler() as cpu, RankMemorySampler() as memory:
             try:
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                      env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
                 error = None if proc.returncode == 0 else proc.stderr[-2000:]
             except subprocess.TimeoutExpired:
                 error = f"timed out after {timeout_s:.0f} s"
         out = {"command": " ".join(["python launch/torchrun.py --nproc-per-node", str(ranks), "launch/train.py", *args]),
-               "process_wall_s": round(time.time() - started, 1), "cpu_busy_share_process": cpu.busy_share()}
+               "process_wall_s": round(time.time() - started, 1), "cpu_busy_share_process": cpu.busy_share(),
+               "memory": memory.summary()}
         metrics = Path(tmp) / "metrics.jsonl"
         if error is not None or not metrics.is_file():
             return {**out, "failed": True, "error": error or "no metrics.jsonl"}
@@ -62,7 +66,7 @@ def modelled(run: dict, ranks: int, dilation: float) -> dict:
     """A run's figures at the modelled device's speed: run goodput, mean step time, the waits
     (rank-seconds, as the simulator counts them: each step's RWT, a mean per rollout rank, times
     its rollout ranks, plus its TWT times its trainer ranks; no reference ranks here), the wasted
-    share, ERS's moves, and the host's busy share beside them."""
+    share, ERS's moves, and the host's busy share and the ranks' memory beside them."""
     rows = run["rows"]
     last = rows[-1]
     generated = last["ledger/generated"]
@@ -79,4 +83,5 @@ def modelled(run: dict, ranks: int, dilation: float) -> dict:
         "rank_moves": int(max((r.get("ers/moves", 0) for r in rows), default=0)),
         "ra2p_modes": [r.get("ra2p/mode") for r in rows],
         "cpu_busy_share": run["cpu_busy_share"],
+        "memory": run["memory"],
     }

@@ -335,6 +335,11 @@ def engine_start(r: dict) -> str:
     return out
 
 
+def rank_memory(r: dict) -> str:
+    return "; ".join(f"{m['ranks']} ranks {m['variant']}: rank PSS median {m['rank_pss_mb_median']:.0f} MB "
+                     f"(max {m['rank_pss_mb_max']:.0f}), job {m['job_pss_mb_per_rank']:.0f} MB a rank" for m in r["means"])
+
+
 # benchmark (its script's name) -> the headline figures of one of its records
 EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "e2e_goodput": e2e_goodput, "weight_sync": weight_sync, "sleep_on_idle": sleep_on_idle,
@@ -344,7 +349,7 @@ EXTRACTORS: dict[str, Callable[[dict], str]] = {
     "ctb_rows": ctb_rows, "group_startup": group_startup, "role_transitions": role_transitions,
     "gpu_weight_sync": gpu_weight_sync, "gpu_trainer": gpu_trainer, "trainer_throughput": trainer_throughput,
     "control_plane": control_plane, "decision_latency": decision_latency, "paper_scale": paper_scale,
-    "trajectory_wire": trajectory_wire, "engine_start": engine_start,
+    "trajectory_wire": trajectory_wire, "engine_start": engine_start, "rank_memory": rank_memory,
 }
 
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_record  # noqa: E402
 
-HELPERS = ("bench_record", "cpu_busy", "emulated_runs")  # modules the benchmarks import; they write no record
+HELPERS = ("bench_record", "cpu_busy", "emulated_runs", "rank_memory_sampler")  # modules the benchmarks import; they write no record
 SCRIPTS = sorted(p for p in (REPO / "benchmarks").glob("*.py") if p.stem not in HELPERS)
 
 

@@ -151,3 +151,12 @@ def test_engine_start_times_the_drill_job_with_forked_and_spawned_children(launc
     assert data["command"].startswith("python benchmarks/engine_start.py") and data["figures"]["engine_ready_s"]["mean"] == {}
     for runs in (data["job_runs"], data["rank_job_runs"]):
         assert len(runs) == 4 and all(r["failed"] and "dry run" in r["error"] for r in runs)
+
+
+def test_rank_memory_alternates_forked_and_started_ranks(launched, monkeypatch, tmp_path):
+    out = tmp_path / "rank_memory.json"
+    assert run_script("rank_memory", monkeypatch, "--ranks", "8", "--reps", "2", "--out", str(out)) == 1
+    assert [n for n, _ in launched] == [8] * 4
+    assert [env["TIDE_PRELOAD_RANKS"] for env in launched.envs] == ["1", "0", "0", "1"]
+    assert all(job.cluster.emulation.dilation == 4.0 and job.run.steps == 2 for _, job in launched)
+    assert record(out, 4)["means"] == []  # no run measured anything
