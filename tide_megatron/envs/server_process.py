@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import selectors
 import signal
 import socket
 import logging
@@ -153,18 +153,22 @@ class EnvServerProcess:
         assert self._proc is not None and self._proc.stdout is not None
         deadline = time.monotonic() + self.process_cfg.ready_timeout_s
         buf = b""
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"env server (pid {self._proc.pid}) not ready within {self.process_cfg.ready_timeout_s:g} s")
-            ready, _, _ = select.select([self._proc.stdout], [], [], min(left, 0.5))
-            if ready:
-                chunk = os.read(self._proc.stdout.fileno(), 4096)
-                if not chunk:
-                    code = self._proc.wait()
-                    where = f"; see {self.process_cfg.log_path}" if self.process_cfg.log_path else ""
-                    raise RuntimeError(f"env server exited with code {code} before it was ready{where}")
-                buf += chunk
+        # A selector, not select(): rank 0 of a large job holds over 1,024 descriptors (gloo's
+        # sockets to every rank, per process group), and select() refuses any numbered above that.
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"env server (pid {self._proc.pid}) not ready within "
+                                       f"{self.process_cfg.ready_timeout_s:g} s")
+                if selector.select(min(left, 0.5)):
+                    chunk = os.read(self._proc.stdout.fileno(), 4096)
+                    if not chunk:
+                        code = self._proc.wait()
+                        where = f"; see {self.process_cfg.log_path}" if self.process_cfg.log_path else ""
+                        raise RuntimeError(f"env server exited with code {code} before it was ready{where}")
+                    buf += chunk
         line = buf.split(b"\n", 1)[0].decode(errors="replace")
         if not line.startswith(READY_PREFIX):
             raise RuntimeError(f"env server printed {line!r} instead of its ready line")

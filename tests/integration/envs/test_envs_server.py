@@ -179,3 +179,26 @@ def test_embedded_server_exits_when_its_launcher_is_killed():
         time.sleep(0.1)
     os.kill(server_pid, 9)
     pytest.fail("orphaned env server kept running after its launcher died")
+
+
+def test_the_server_starts_beside_more_than_1024_open_descriptors():
+    """Rank 0 of a 64-rank job holds over 1,024 sockets (gloo's, to every rank of each process
+    group), so the server's ready pipe gets a descriptor number that select() refuses."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1100
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"this host allows {hard} open descriptors, fewer than {need}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need) if soft != resource.RLIM_INFINITY else soft, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:  # the next descriptor opened is above 1,024
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        with EnvServerProcess(EnvServerConfig()) as proc:
+            assert proc.port > 0
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
