@@ -15,6 +15,12 @@ costs the owner two store round trips however many messages it reads, and a post
 reads thousands of messages a step (an earlier design of one key per message cost it a
 deletion each).
 
+A queue is one store value, and the owner's clear sends the value it read back to the store:
+torch's store refuses a request over 8 MiB, which a few hundred queued trajectories reach when
+rank 0 falls behind (it did at 64 ranks). So a message over `INLINE_BYTES` is stored under keys
+of its own, in pieces of at most `PIECE_BYTES`, and its queue line only names them; the owner
+fetches every named message of a poll in one `multi_get` and deletes the keys.
+
 Messages of one sender come out in the order it posted them; between senders, in the order the
 store appended them.
 """
@@ -23,12 +29,18 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections import deque
 from typing import Any
 
 from tide_megatron.comm.messages import Message, decode
 
 CONTROLLER = 0
+INLINE_BYTES = 64 << 10
+"""A larger message goes under keys of its own; its queue line names them."""
+PIECE_BYTES = 4 << 20
+"""The most bytes one store value of a large message holds (the store refuses requests over 8 MiB)."""
+_REF = b'{"ref":'  # a queue line naming a large message (a message's own line starts with {"kind":)
 
 
 class Mailbox:
@@ -43,6 +55,8 @@ class Mailbox:
         self._unreturned: deque[Message] = deque()  # read from the store, beyond a poll's limit
         # The controller posts from its dispatch thread and its training thread.
         self._lock = threading.Lock()
+        self._ref_prefix = f"{namespace}/big/{owner}/{uuid.uuid4().hex[:8]}"  # unique to this mailbox
+        self._refs = 0
         self.posted = 0
         """Messages this mailbox's owner has posted (to any rank)."""
         self.received = 0
@@ -59,8 +73,19 @@ class Mailbox:
         # compact JSON escapes newlines inside strings: one message is one line
         body = json.dumps({"kind": kind, "src": self.owner, **payload}, separators=(",", ":"), allow_nan=False)
         with self._lock:
+            if len(body) > INLINE_BYTES:
+                body = self._store_large(body.encode())
             self._store.append(self._queue_key(dest), body + "\n")
             self.posted += 1
+
+    def _store_large(self, data: bytes) -> str:
+        """Store a large message's bytes under keys of its own; returns the queue line naming them."""
+        self._refs += 1
+        ref = f"{self._ref_prefix}/{self._refs}"
+        pieces = range(0, len(data), PIECE_BYTES)
+        for i, start in enumerate(pieces):
+            self._store.set(f"{ref}/{i}", data[start:start + PIECE_BYTES])
+        return json.dumps({"ref": ref, "pieces": len(pieces)}, separators=(",", ":"))
 
     def poll(self, limit: int = 1 << 30) -> list[Message]:
         """Read the messages posted to this owner since the last poll, in order (at most `limit`;
@@ -84,10 +109,17 @@ class Mailbox:
             if not now:  # cleared: exactly `data` was taken
                 break
             data = now
+        lines = [line for line in data.split(b"\n") if line]
+        refs = [json.loads(line) for line in lines if line.startswith(_REF)]
+        if refs:
+            keys = [f"{r['ref']}/{i}" for r in refs for i in range(r["pieces"])]
+            values = iter(self._store.multi_get(keys))  # one round trip for the poll's large messages
+            large = iter([b"".join(next(values) for _ in range(r["pieces"])) for r in refs])
+            for key in keys:
+                self._store.delete_key(key)
+            lines = [next(large) if line.startswith(_REF) else line for line in lines]
         unreadable = []
-        for line in data.split(b"\n"):
-            if not line:
-                continue
+        for line in lines:
             try:
                 self._unreturned.append(decode(json.loads(line)))
             except (ValueError, TypeError, KeyError) as exc:  # the rest still comes out

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tide_megatron.comm.mailbox import Mailbox
 from tide_megatron.comm.messages import (CancelTask, EngineFacts, Heartbeat, LoadWeights, OpenRefStep, PushWeights, RankReady,
                                          RefMicroBatch, RunTask, SaveCheckpoint, SetRoles, TaskAssignment,
-                                         TrainMicroBatch, TrajectoryDone, WeightsLoaded)
+                                         TrainMicroBatch, TrajectoryDone, TurnEvent, WeightsLoaded)
 from tide_megatron.comm.weight_sync import (
     bucket_ranges,
     WeightManifest,
@@ -213,6 +213,36 @@ def test_polling_a_queue_nobody_wrote_returns_at_once():
     t0 = time.monotonic()
     assert Mailbox(store, 0).poll() == []
     assert time.monotonic() - t0 < 1
+
+
+def test_large_messages_go_by_their_own_keys_in_pieces_and_keep_their_place(monkeypatch):
+    from tide_megatron.comm import mailbox
+
+    monkeypatch.setattr(mailbox, "PIECE_BYTES", 1000)  # a large message in several pieces
+    store = dist.HashStore()
+    sender, owner = Mailbox(store, 1), Mailbox(store, 0)
+    keys_before = store.num_keys()
+    big = {"text": "x" * (mailbox.INLINE_BYTES + 2500)}
+    sender.post(0, PushWeights(0))
+    sender.post(0, TurnEvent("g0v0/1", "finished", 7, big))
+    sender.post(0, PushWeights(1))
+    queued = store.get("tide/mb/0/q")
+    assert len(queued) < 1000 and queued.count(b'{"ref":') == 1  # the queue holds a reference only
+    first, turn, last = owner.poll()
+    assert (first.version, last.version) == (0, 1) and turn.report == big and turn.src == 1
+    assert store.num_keys() == keys_before + 1  # the pieces are deleted (the queue's key stays)
+
+
+def test_a_queue_past_the_stores_8_mib_request_limit_is_read_whole():
+    """torch's libuv store closes the connection of a request over 8 MiB, and the owner's clear
+    sends back the whole queue it read: 12 MB of queued turn reports once killed rank 0."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+    sender, owner = Mailbox(store, 1), Mailbox(store, 0)
+    report = {"text": "y" * 300_000}
+    for i in range(40):
+        sender.post(0, TurnEvent(f"g{i}", "finished", i, report))
+    got = owner.poll()
+    assert [m.context_tokens for m in got] == list(range(40)) and all(m.report == report for m in got)
 
 
 class _AppendsDuringClear:
