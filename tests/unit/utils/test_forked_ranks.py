@@ -44,3 +44,16 @@ def test_only_a_python_script_file_runs_in_a_forked_rank(argv, forkable):
     from torch.distributed import run
 
     assert forked_ranks.can_run(run.parse_args(["--nproc-per-node", "2", *argv])) == forkable
+
+
+def test_the_private_multiprocessing_calls_forked_ranks_makes_are_still_there():
+    """Drift: `run_rank`, `stop_forkserver` and `stop_resource_tracker` call four functions no
+    public API offers (each call says why); an upgrade of Python that renames one must fail here,
+    not as a rank that hangs at exit or a server left behind."""
+    import atexit
+    import threading
+    from multiprocessing import forkserver, resource_tracker
+
+    for owner, name in ((threading, "_shutdown"), (atexit, "_run_exitfuncs"), (forkserver._forkserver, "_stop"),
+                        (resource_tracker._resource_tracker, "_stop")):
+        assert callable(getattr(owner, name, None)), f"{owner!r} has no {name}()"
