@@ -124,10 +124,12 @@ def check_job(args) -> str | None:
 
 
 def describe_failures(exc) -> str:
-    """One line for torchrun's ChildFailedError: which ranks ended how, first failure first
-    (torchrun stops the others with SIGTERM once one has failed)."""
+    """One line for torchrun's ChildFailedError: which ranks ended how, first failure first.
+    torch stamps a failure in whole seconds, and stops the other ranks with SIGTERM once one has
+    failed: within one second, a rank killed by SIGTERM comes after one that ended by itself."""
     parts = []
-    for rank, failure in sorted(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
+    for rank, failure in sorted(exc.failures.items(),
+                                key=lambda kv: (kv[1].timestamp, kv[1].exitcode == -signal.SIGTERM, kv[0])):
         code = failure.exitcode
         how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
             else f"exit code {code}"
