@@ -226,11 +226,11 @@ def test_large_messages_go_by_their_own_keys_in_pieces_and_keep_their_place(monk
     sender.post(0, PushWeights(0))
     sender.post(0, TurnEvent("g0v0/1", "finished", 7, big))
     sender.post(0, PushWeights(1))
-    queued = store.get("tide/mb/0/q")
-    assert len(queued) < 1000 and queued.count(b'{"ref":') == 1  # the queue holds a reference only
+    queued = store.get(f"tide/mb/q/0/{sender._name}.0/1")
+    assert len(queued) < 1000 and queued.count(b'{"ref":') == 1  # the slot holds a reference only
     first, turn, last = owner.poll()
     assert (first.version, last.version) == (0, 1) and turn.report == big and turn.src == 1
-    assert store.num_keys() == keys_before + 1  # the pieces are deleted (the queue's key stays)
+    assert store.num_keys() == keys_before + 4  # the pieces are deleted (the bell and 3 emptied slots stay)
 
 
 def test_a_queue_past_the_stores_8_mib_request_limit_is_read_whole():
@@ -243,6 +243,68 @@ def test_a_queue_past_the_stores_8_mib_request_limit_is_read_whole():
         sender.post(0, TurnEvent(f"g{i}", "finished", i, report))
     got = owner.poll()
     assert [m.context_tokens for m in got] == list(range(40)) and all(m.report == report for m in got)
+
+
+def test_small_messages_of_many_senders_past_the_8_mib_limit_are_read_whole():
+    """At 64 ranks rank 0 fell behind and its one queue of small turn reports (each well under
+    `INLINE_BYTES`) passed 8 MiB: the clear that sent it back closed rank 0's store connection."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+    owner = Mailbox(store, 0)
+    senders = [Mailbox(store, r) for r in range(1, 5)]
+    report = {"text": "z" * 2000}
+    for i in range(1500):  # 4 x 1,500 x ~2.1 KB: 12.6 MB queued for rank 0
+        for s in senders:
+            s.post(0, TurnEvent(f"g{i}", "finished", i, report))
+    got = owner.poll()
+    assert len(got) == 6000 and all(m.report == report for m in got)
+    assert [(m.src, m.context_tokens) for m in got] == [(r, i) for i in range(1500) for r in range(1, 5)]  # posting order
+
+
+def test_a_sender_whose_slots_are_unread_moves_to_new_ones_and_reuses_read_ones(monkeypatch):
+    from tide_megatron.comm import mailbox
+
+    monkeypatch.setattr(mailbox, "SLOTS", 4)
+    store = dist.HashStore()
+    sender, owner = Mailbox(store, 1), Mailbox(store, 0)
+    for i in range(10):  # the owner reads nothing: 4 slots, 4 more, then 2 of a third generation
+        sender.post(0, PushWeights(i))
+    generation = [f"tide/mb/q/0/{sender._name}.{g}/0" for g in range(4)]
+    assert store.check(generation[:3]) and not store.check(generation[3:])
+    assert [m.version for m in owner.poll()] == list(range(10))
+    keys = store.num_keys()
+    for i in range(10, 14):  # two new slots of the third generation, then its two emptied ones
+        sender.post(0, PushWeights(i))
+    assert not store.check(generation[3:]) and store.num_keys() == keys + 2  # 2 of its slots were new
+    assert [m.version for m in owner.poll()] == list(range(10, 14)) and owner.received == 14
+
+
+class _PostsAfterTheBell:
+    """A store on which, right after the owner has taken its bell, rank 2 posts X and rank 1 then
+    posts Z (as a reply to X would come), before the owner fetches rank 1's older message."""
+
+    def __init__(self, store, first: Mailbox, second: Mailbox):
+        self.store, self.first, self.second, self.armed = store, first, second, True
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def compare_set(self, key, expected, desired):
+        out = self.store.compare_set(key, expected, desired)
+        if key.endswith("/bell") and desired == b"" and not out and self.armed:
+            self.armed = False
+            self.first.post(0, PushWeights(1))  # X
+            self.second.post(0, PushWeights(2))  # Z, caused by X
+        return out
+
+
+def test_a_message_never_comes_out_before_one_posted_before_it_by_another_rank():
+    store = dist.HashStore()
+    one, two = Mailbox(store, 1), Mailbox(store, 2)
+    owner = Mailbox(_PostsAfterTheBell(store, two, one), 0)
+    one.post(0, PushWeights(0))
+    assert [m.version for m in owner.poll()] == [0]  # not Z, which the bell the owner read did not name
+    assert [(m.src, m.version) for m in owner.poll()] == [(2, 1), (1, 2)]  # X, then Z
+    assert owner.poll() == [] and owner.received == 3
 
 
 class _AppendsDuringClear:
@@ -276,7 +338,8 @@ def test_an_unreadable_message_is_named_and_the_others_still_come_out():
     store = dist.HashStore()
     sender = Mailbox(store, 1)
     sender.post(0, PushWeights(0))
-    store.append("tide/mb/0/q", '{"kind":"no_such_kind","src":1}\n')
+    store.set("tide/mb/q/0/9-foreign.0/0", '0 {"kind":"no_such_kind","src":9}')  # a sender of another version
+    store.append("tide/mb/q/0/bell", "9-foreign.0/0\n")
     sender.post(0, PushWeights(1))
     owner = Mailbox(store, 0)
     with pytest.raises(ValueError, match="rank 0: 1 unreadable control message.*no_such_kind"):
