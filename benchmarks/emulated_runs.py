@@ -26,6 +26,20 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE = "text_emulated"
 
 
+def failure_text(stderr: str, log_dir: Path, tail_chars: int = 2000, log_chars: int = 4000) -> str:
+    """What names a failed job's cause, kept before its output folder goes: every line a rank or
+    the launcher wrote on its own (`[rankN] ...`, `launch/torchrun.py: ...`; at 64 ranks the end of
+    stderr alone held only the other ranks' shutdown), the end of stderr, and the end of each rank
+    log that holds a traceback."""
+    named = [line for line in stderr.splitlines() if line.startswith(("[rank", "launch/torchrun.py"))]
+    parts = ["\n".join(named[-200:]), "-- end of stderr --", stderr[-tail_chars:]]
+    for log in sorted(log_dir.glob("rank*.log")) if log_dir.is_dir() else []:
+        text = log.read_text(errors="replace")
+        if "Traceback" in text:
+            parts += [f"-- end of {log.name} --", text[-log_chars:]]
+    return "\n".join(parts)
+
+
 def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: float,
                  env: dict[str, str] | None = None) -> dict:
     """Run the emulated recipe on `ranks` processes (`env`: extra environment); returns its
@@ -42,9 +56,10 @@ def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: f
             try:
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
                                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
-                error = None if proc.returncode == 0 else proc.stderr[-2000:]
-            except subprocess.TimeoutExpired:
-                error = f"timed out after {timeout_s:.0f} s"
+                error = None if proc.returncode == 0 else failure_text(proc.stderr, Path(tmp) / "logs")
+            except subprocess.TimeoutExpired as exc:
+                stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+                error = f"timed out after {timeout_s:.0f} s\n" + failure_text(stderr, Path(tmp) / "logs")
         out = {"command": " ".join(["python launch/torchrun.py --nproc-per-node", str(ranks), "launch/train.py", *args]),
                "process_wall_s": round(time.time() - started, 1), "cpu_busy_share_process": cpu.busy_share(),
                "memory": memory.summary()}

@@ -1,0 +1,30 @@
+"""What an emulated benchmark run keeps of a failed job (benchmarks/emulated_runs.py): at 64 ranks
+the end of stderr held only the other ranks' shutdown, and the cause went with the run's folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from emulated_runs import failure_text  # noqa: E402
+
+
+def test_a_failure_keeps_every_ranks_own_line_and_the_traceback_of_its_log(tmp_path):
+    stderr = "\n".join(["[rank0] RuntimeError: Connection reset by peer (full log: x/rank0.log)",
+                        *(f"noise {i}" for i in range(5000)),
+                        "[rank7] WARNING tide_megatron.job: stopping",
+                        "launch/torchrun.py: the job failed: rank 0 (exit code 1)"])
+    (tmp_path / "rank0.log").write_text("start\nTraceback (most recent call last):\n  in _read\nRuntimeError: reset\n")
+    (tmp_path / "rank1.log").write_text("a clean log\n")
+    text = failure_text(stderr, tmp_path, tail_chars=100)
+    head = text.split("-- end of stderr --")[0]
+    assert "[rank0] RuntimeError: Connection reset" in head and "[rank7] WARNING" in head
+    assert "launch/torchrun.py: the job failed" in head and "noise 10" not in text
+    assert "-- end of rank0.log --" in text and "in _read" in text and "rank1.log" not in text
+
+
+def test_a_failure_without_logs_keeps_the_end_of_stderr(tmp_path):
+    text = failure_text("x" * 50 + "the end", tmp_path / "absent", tail_chars=20)
+    assert text.endswith("the end") and "rank" not in text
