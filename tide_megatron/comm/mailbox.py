@@ -10,26 +10,29 @@ The store's layout for the mailbox of rank `d`, written so that no request carri
 message (torch's libuv store closes the connection of a request over 8 MiB: one queue of every
 sender's lines, cleared by a `compare_set` that sent back what it read, passed that at 64 ranks
 when rank 0 fell behind):
-- each sending mailbox writes a message into a slot of its own, `q/<d>/<sender>.<g>/<i>` for its
-  i-th message to `d` (modulo `SLOTS`), with `compare_set(slot, b"", line)`, which writes only
-  into an empty slot; a slot still full (the owner is `SLOTS` messages behind that sender) moves
-  the sender to the next generation g of slots;
-- then it appends the slot's name to the bell, `q/<d>/bell`, so the bell lists the messages in
-  the order the store took them;
-- the owner reads the bell, `multi_get`s the slots it names and empties them with one
-  `multi_set`, and hands the messages out in the bell's order: a reply caused by one message
-  never comes out before it, even from another sender.
+- each sending mailbox writes its n-th message to `d` into a slot of its own,
+  `q/<d>/<sender>.<g>/<n mod SLOTS>`, then appends the slot's name to the bell, `q/<d>/bell`,
+  so the bell lists the messages in the order the store took them;
+- the owner reads the bell, `multi_get`s the slots it names, and in one `multi_set` empties them
+  and records, per sender, how many of its messages it has read (`q/<d>/<sender>/read`); it
+  hands the messages out in the bell's order, so a reply caused by one message never comes out
+  before it, even from another sender;
+- a sender reuses a slot only once the owner has recorded reading the slot's last message (it
+  reads that record once every so many messages, when its copy no longer covers the slot); a
+  sender the owner is `SLOTS` messages behind moves to a fresh generation g of slots.
 
-Nothing blocks the owner either: it reads the bell with `compare_set` (a store `get` of a key
-nobody has written yet would wait up to the store's timeout, and rank 0 with it) and fetches only
-slots the bell names, which are written; a sender stopped in the middle of `post` leaves nothing
-half written (a slot the bell does not name is never read). A poll costs the owner one store
-round trip when nothing came and four when messages came, however many and from however many
-senders; a post costs the sender one round trip and one append, which does not wait.
+A post is two writes that do not wait for an answer (and a read of the owner's record about
+once every `SLOTS` messages): nothing blocks a sender, which is what lets rollout ranks stream
+trajectories while the trainer trains. Nothing blocks the owner either: it reads the bell with
+`compare_set` (a store `get` of a key nobody has written yet would wait up to the store's
+timeout, and rank 0 with it) and fetches only slots the bell names, which are written; a sender
+stopped in the middle of `post` leaves nothing half written (a slot the bell does not name is
+never read). A poll costs the owner one store round trip when nothing came and four when
+messages came, however many and from however many senders.
 
 The bell holds ~20 bytes a message, so the owner may fall ~400,000 messages behind before its
-clear of the bell nears the 8 MiB limit. Empty slots stay in the store (~50 bytes each, at most
-`SLOTS` per sender and destination, more only for a sender moved to a new generation).
+clear of the bell nears the 8 MiB limit. Emptied slots stay in the store (~50 bytes each, at
+most `SLOTS` per sender and destination, more only for a sender moved to a new generation).
 
 A message over `INLINE_BYTES` is stored under keys of its own, in pieces of at most
 `PIECE_BYTES`, and its slot only names them; the owner fetches every named message of a poll in
@@ -38,6 +41,7 @@ one `multi_get` and deletes the keys.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import uuid
@@ -56,6 +60,24 @@ SLOTS = 2048
 _REF = b'{"ref":'  # a line naming a large message (a message's own line starts with {"kind":)
 
 
+@dataclasses.dataclass
+class _Sent:
+    """A sender's messages to one destination: how many, the generation of slots they go to, and
+    what it last knew of the owner's record of them."""
+
+    count: int = 0
+    generation: int = 0
+    generation_start: int = 0
+    """The first message of this generation of slots (earlier ones went to other slots)."""
+    read: int = 0
+    """How many of them the owner had read, as of the sender's last look at its record."""
+
+    def free(self, n: int) -> bool:
+        """Whether message `n`'s slot holds no unread message: new in this generation, or its last
+        message (n - SLOTS) was read."""
+        return n - SLOTS < self.generation_start or n - SLOTS < self.read
+
+
 class Mailbox:
     """The messages addressed to `owner`, readable only by `owner`; and what this process posts
     to the other ranks' mailboxes."""
@@ -70,7 +92,7 @@ class Mailbox:
         self._name = f"{owner}-{uuid.uuid4().hex[:6]}"
         self._ref_prefix = f"{namespace}/big/{self._name}"
         self._refs = 0
-        self._sent: dict[int, list[int]] = {}  # dest -> [messages posted to it, slot generation]
+        self._sent: dict[int, _Sent] = {}  # per destination
         self._unreturned: deque[Message] = deque()  # read from the store, beyond a poll's limit
         # The controller posts from its dispatch thread and its training thread.
         self._lock = threading.Lock()
@@ -85,6 +107,9 @@ class Mailbox:
     def _slot_key(self, dest: int, slot: str) -> str:
         return f"{self._prefix}/q/{dest}/{slot}"
 
+    def _read_key(self, dest: int, sender: str) -> str:
+        return f"{self._prefix}/q/{dest}/{sender}/read"
+
     def post(self, dest: int, message: Message) -> None:
         """Write a typed message (`messages.py`) into `dest`'s mailbox. Never waits for the receiver."""
         if not isinstance(message, Message) or not message.KIND:
@@ -95,17 +120,17 @@ class Mailbox:
         with self._lock:
             if len(body) > INLINE_BYTES:
                 body = self._store_large(body.encode())
-            sent = self._sent.setdefault(dest, [0, 0])
-            # the count makes every value this mailbox writes unique: a full slot never answers
-            # with the line that was offered
-            line = f"{sent[0]} {body}".encode()
-            while True:
-                slot = f"{self._name}.{sent[1]}/{sent[0] % SLOTS}"
-                if self._store.compare_set(self._slot_key(dest, slot), b"", line) == line:
-                    break
-                sent[1] += 1  # the owner has not read that slot yet: a fresh generation of slots
-            sent[0] += 1
+            sent = self._sent.setdefault(dest, _Sent())
+            n = sent.count
+            if not sent.free(n):  # the slot's last message may be unread: ask the owner's record
+                value = self._store.compare_set(self._read_key(dest, self._name), self._ABSENT, self._ABSENT)
+                sent.read = max(sent.read, 0 if value == self._ABSENT else int(value))
+                if not sent.free(n):  # the owner is SLOTS messages behind: never overwrite, move on
+                    sent.generation, sent.generation_start = sent.generation + 1, n
+            slot = f"{self._name}.{sent.generation}/{n % SLOTS}"
+            self._store.set(self._slot_key(dest, slot), f"{n} {body}")  # the count: the owner's record
             self._store.append(self._bell_key(dest), slot + "\n")  # after the slot: it announces it
+            sent.count += 1
             self.posted += 1
 
     def _store_large(self, data: bytes) -> str:
@@ -137,10 +162,15 @@ class Mailbox:
             if not now:
                 break
             rung = now
-        keys = [self._slot_key(self.owner, slot.decode()) for slot in rung.split(b"\n") if slot]
-        lines = self._store.multi_get(keys)
-        self._store.multi_set(keys, [b""] * len(keys))  # the slots are free for their senders again
-        self._deliver(self._fetch_large([line.partition(b" ")[2] for line in lines]))
+        slots = [slot.decode() for slot in rung.split(b"\n") if slot]
+        keys = [self._slot_key(self.owner, slot) for slot in slots]
+        counted = [line.partition(b" ") for line in self._store.multi_get(keys)]
+        read = {slot.partition(".")[0]: int(n) + 1 for slot, (n, _, _) in zip(slots, counted)}  # bell order: the last wins
+        # one request empties the slots and records what was read: a sender cannot reuse a slot
+        # between the two, since it reuses one only after reading this record
+        self._store.multi_set(keys + [self._read_key(self.owner, s) for s in read],
+                              [b""] * len(keys) + [str(n).encode() for n in read.values()])
+        self._deliver(self._fetch_large([line for _, _, line in counted]))
 
     def _fetch_large(self, lines: list[bytes]) -> list[bytes | Exception]:
         """The lines with each large message's reference replaced by its bytes (one round trip for
