@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,26 +41,49 @@ def failure_text(stderr: str, log_dir: Path, tail_chars: int = 2000, log_chars: 
     return "\n".join(parts)
 
 
+def run_job(cmd: list[str], timeout_s: float, env: dict[str, str], cwd: Path) -> tuple[int | None, str]:
+    """Run a launch command in a session of its own; returns its exit code (None: timed out) and
+    stderr. At the timeout the whole session is stopped (SIGTERM, then SIGKILL after 60 s): the
+    ranks are the launcher's forkserver's children, and killing the launcher alone left 64 of
+    them running without their store."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+        return proc.returncode, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the launcher's own stop left
+        except ProcessLookupError:
+            pass
+        _, stderr = proc.communicate()  # every writer is gone: the pipes end
+        return None, stderr
+
+
 def run_emulated(ranks: int, dilation: float, overrides: list[str], timeout_s: float,
-                 env: dict[str, str] | None = None) -> dict:
-    """Run the emulated recipe on `ranks` processes (`env`: extra environment); returns its
+                 env: dict[str, str] | None = None, repo: Path = REPO) -> dict:
+    """Run the emulated recipe on `ranks` processes (`env`: extra environment; `repo`: the
+    checkout whose launcher runs, by default this one); returns its
     per-step metrics (`rows`), the process wall time, the host's busy share over the training
     window and over the process, the ranks' peak memory (`rank_memory_sampler.py`), and on
     failure `failed` with the end of stderr."""
-    with tempfile.TemporaryDirectory(prefix="emulated_") as tmp:
+    # a rank stopped late may still write there: the folder goes as far as it can
+    with tempfile.TemporaryDirectory(prefix="emulated_", ignore_cleanup_errors=True) as tmp:
         args = [f"+recipe={RECIPE}", f"cluster.emulation.dilation={dilation}", "metrics.progress=false",
                 "metrics.tensorboard=false", "run.checkpoint_interval=0", *overrides]
-        cmd = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--nproc-per-node", str(ranks),
-               str(REPO / "launch" / "train.py"), *args, f"run.output_dir={tmp}"]
+        cmd = [sys.executable, str(repo / "launch" / "torchrun.py"), "--nproc-per-node", str(ranks),
+               str(repo / "launch" / "train.py"), *args, f"run.output_dir={tmp}"]
         started = time.time()
         with CpuBusySampler() as cpu, RankMemorySampler() as memory:
-            try:
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
-                error = None if proc.returncode == 0 else failure_text(proc.stderr, Path(tmp) / "logs")
-            except subprocess.TimeoutExpired as exc:
-                stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-                error = f"timed out after {timeout_s:.0f} s\n" + failure_text(stderr, Path(tmp) / "logs")
+            code, stderr = run_job(cmd, timeout_s, dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), repo)
+            error = None if code == 0 else failure_text(stderr, Path(tmp) / "logs")
+            if code is None:
+                error = f"timed out after {timeout_s:.0f} s\n{error}"
         out = {"command": " ".join(["python launch/torchrun.py --nproc-per-node", str(ranks), "launch/train.py", *args]),
                "process_wall_s": round(time.time() - started, 1), "cpu_busy_share_process": cpu.busy_share(),
                "memory": memory.summary()}
