@@ -55,7 +55,9 @@ from tide_megatron.trainer.ra2p import (ArrivingSource, ColocatedConfig, Colocat
 from tide_megatron.trainer.ra2p.source import iterate
 from tide_megatron.trainer.state_transfer import recv_actor_state, send_actor_state
 
-POLL_INTERVAL_S = 0.005
+IDLE_WAIT_S = 300.0
+"""The longest the mailbox reader waits for a message before it looks again (a wait that ends
+so is logged by torch's TCP store: rare, since every post and `serve`'s end wake it)."""
 REF_RELEASE = ("host", "drop")
 
 
@@ -354,6 +356,7 @@ class TrainerWorker:
         finally:
             stop.set()
             self._resume.set()
+            mailbox.wake()  # out of its wait for the next message
             reader.join(timeout=5)
 
     # The main thread's handlers, one per command (`_COMMANDS`): each returns None to go on,
@@ -406,7 +409,7 @@ class TrainerWorker:
                 continue
             msgs = mailbox.poll(limit=1)
             if not msgs:
-                time.sleep(POLL_INTERVAL_S)
+                mailbox.wait(IDLE_WAIT_S)  # until a post (or `serve`'s end) wakes it
                 continue
             self._route(msgs[0])
 

@@ -307,6 +307,39 @@ def test_a_message_never_comes_out_before_one_posted_before_it_by_another_rank()
     assert owner.poll() == [] and owner.received == 3
 
 
+def test_wait_returns_at_a_post_and_holds_no_connection_the_others_need():
+    """The trainer rank's reader waits for its next message instead of polling; its main thread
+    posts over the same mailbox meanwhile (a TCP store connection blocks while it waits)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), use_libuv=True)
+    owner, sender = Mailbox(store, 1), Mailbox(store, 0)
+    woke = []
+    reader = threading.Thread(target=lambda: woke.append((owner.wait(20), time.monotonic())))
+    reader.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    owner.post(0, PushWeights(7))  # the owner posts while its reader waits
+    assert time.monotonic() - t0 < 1 and [m.version for m in sender.poll()] == [7]
+    sender.post(1, PushWeights(8))
+    reader.join(timeout=10)
+    assert woke and woke[0][0] and woke[0][1] - t0 < 5
+    assert [m.version for m in owner.poll()] == [8]
+
+
+def test_wait_misses_no_message_posted_around_it():
+    store = dist.HashStore()
+    owner, sender = Mailbox(store, 1), Mailbox(store, 0)
+    sender.post(1, PushWeights(0))  # before the wait: it returns at once
+    assert owner.wait(5) and [m.version for m in owner.poll()] == [0]
+    assert not owner.wait(0.2)  # nothing since
+    sender.post(1, PushWeights(1))
+    sender.post(1, PushWeights(2))
+    assert owner.wait(5) and [m.version for m in owner.poll(limit=1)] == [1]
+    assert owner.wait(0.2)  # one message read, not returned yet
+    assert [m.version for m in owner.poll()] == [2] and not owner.wait(0.2)
+    owner.wake()
+    assert owner.wait(5) and owner.poll() == []
+
+
 class _AppendsDuringClear:
     """A store on which another sender posts between the owner's read and its clear, `times` times."""
 
