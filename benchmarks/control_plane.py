@@ -22,21 +22,28 @@ upper bounds.
     python benchmarks/control_plane.py --ranks 8 --dilations 1 --steps 2   # a quick look
     python benchmarks/control_plane.py --ranks 16 --dilations 4 --polls 0.005,0.02 --reps 2 \
         --out control_plane_poll      # what rank 0's pass interval (scheduler.control_poll_s) costs
+    python benchmarks/control_plane.py --ranks 16 --dilations 4 --reps 2 --baseline db666fc \
+        --out control_plane_mailbox   # what a change costs: this checkout against an older commit
 
-Not covered here: 64 and 128 ranks (a rank costs 280-380 MB here, so 64 do not fit this
-24 GiB host beside the rest); `benchmarks/decision_latency.py` times the same placement and ERS
-decisions in one process up to 128 ranks. Writes benchmarks/results/control_plane.json.
+64 ranks fit this 24 GiB host's memory (ranks forked from a preloaded server: 115-160 MB each,
+`rank_memory.py`), but their idle CPU time (per wall second) adds up on its 2 cores whatever the
+dilation; `benchmarks/decision_latency.py` times the same placement and ERS decisions in one
+process up to 128 ranks. Writes benchmarks/results/control_plane.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import bench_record
-from emulated_runs import modelled, run_emulated
+from emulated_runs import REPO, modelled, run_emulated
 
 PER_STEP = ("control/cpu_process_s", "control/cpu_rollout_thread_s", "control/cpu_main_thread_s",
             "control/loops", "control/messages_sent", "control/messages_received", "control/placement_passes")
@@ -69,23 +76,41 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return math.log(ys[-1] / ys[0]) / math.log(xs[-1] / xs[0])
 
 
-def run_size(ranks: int, dilation: float, poll: float, rep: int, args) -> dict:
+def run_size(ranks: int, dilation: float, poll: float, rep: int, args, tree: str = "current",
+             repo: Path = REPO) -> dict:
     run = run_emulated(ranks, dilation, [f"run.steps={args.steps}",
                                          f"scheduler.groups_per_step={args.groups_per_rank * ranks}",
-                                         f"scheduler.control_poll_s={poll}", *args.overrides], args.timeout)
-    record = {"ranks": ranks, "dilation": dilation, "control_poll_s": poll, "rep": rep, "command": run["command"],
-              "process_wall_s": run["process_wall_s"], "failed": run["failed"]}
+                                         f"scheduler.control_poll_s={poll}", *args.overrides], args.timeout, repo=repo)
+    record = {"tree": tree, "ranks": ranks, "dilation": dilation, "control_poll_s": poll, "rep": rep,
+              "command": run["command"], "process_wall_s": run["process_wall_s"], "failed": run["failed"]}
+    label = f"{ranks} ranks, poll {poll:g} s" + ("" if tree == "current" else f", {tree}")
     if run["failed"]:
         record["error"] = run["error"]
-        print(f"{ranks} ranks, poll {poll:g} s: FAILED ({run['error'][-300:]})", flush=True)
+        print(f"{label}: FAILED ({run['error'][:300]})", flush=True)
         return record
     record.update(control=figures(run["rows"], dilation), run=modelled(run, ranks, dilation),
                   per_step=[{k.removeprefix("control/"): r[k] for k in r if k.startswith("control/")}
                             for r in run["rows"]])
     c = record["control"]
-    print(f"{ranks} ranks, poll {poll:g} s: rollout thread {c['cpu_rollout_thread_s']:.2f} s/step, "
+    print(f"{label}: rollout thread {c['cpu_rollout_thread_s']:.2f} s/step, "
           f"{c['messages_per_step']:.0f} messages/step, host busy {run['cpu_busy_share']}", flush=True)
     return record
+
+
+@contextlib.contextmanager
+def baseline_tree(rev: str | None):
+    """A temporary git worktree of `rev` (None: no baseline), removed afterwards."""
+    if rev is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="control_plane_baseline_") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=REPO, check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
 
 
 def mean_of(records: list[dict], part: str, key: str) -> float | None:
@@ -106,6 +131,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--groups-per-rank", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run every size on commit REV (a temporary git worktree), alternating with this "
+                             "checkout: what a change to the control plane costs, measured in one run")
     parser.add_argument("--out", default="control_plane", help="results name (benchmarks/results/NAME.json)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
@@ -116,41 +144,46 @@ def main() -> int:
         parser.error(f"--dilations needs one value per rank count ({len(sizes)}), got {len(dilations)}")
 
     results = []
-    for ranks, dilation in zip(sizes, dilations):
-        for rep in range(args.reps):
-            for poll in (polls if rep % 2 == 0 else polls[::-1]):
-                results.append(run_size(ranks, dilation, poll, rep, args))
+    with baseline_tree(args.baseline) as baseline:
+        trees = [("current", REPO)] + ([(f"baseline {args.baseline}", baseline)] if baseline else [])
+        for ranks, dilation in zip(sizes, dilations):
+            for rep in range(args.reps):
+                runs = [(poll, tree) for poll in polls for tree in trees]
+                for poll, (tree, repo) in (runs if rep % 2 == 0 else runs[::-1]):
+                    results.append(run_size(ranks, dilation, poll, rep, args, tree, repo))
 
     ok = [r for r in results if not r["failed"]]
     keys = ("cpu_process_s", "cpu_rollout_thread_s", "messages_per_step", "rollout_thread_us_per_message", "loops",
             "placement_p50_ms", "placement_p99_ms", "ers_plan_p50_ms")
     table, growth = [], {}
-    for poll in polls:
-        rows = []
-        for ranks, dilation in zip(sizes, dilations):
-            mine = [r for r in ok if r["ranks"] == ranks and r["control_poll_s"] == poll]
-            if mine:
-                rows.append({"ranks": ranks, "dilation": dilation, "control_poll_s": poll, "runs": len(mine),
-                             "control": {k: mean_of(mine, "control", k) for k in mine[0]["control"]},
-                             "goodput_tok_s": mean_of(mine, "run", "goodput_tok_s"),
-                             "cpu_busy_share": mean_of(mine, "run", "cpu_busy_share")})
-        table += rows
-        growth[str(poll)] = {k: slope([r["ranks"] for r in rows], [r["control"][k] for r in rows]) for k in keys}
+    for tree in dict.fromkeys(r["tree"] for r in results):
+        for poll in polls:
+            rows = []
+            for ranks, dilation in zip(sizes, dilations):
+                mine = [r for r in ok if r["tree"] == tree and r["ranks"] == ranks and r["control_poll_s"] == poll]
+                if mine:
+                    rows.append({"tree": tree, "ranks": ranks, "dilation": dilation, "control_poll_s": poll,
+                                 "runs": len(mine), "control": {k: mean_of(mine, "control", k) for k in mine[0]["control"]},
+                                 "goodput_tok_s": mean_of(mine, "run", "goodput_tok_s"),
+                                 "cpu_busy_share": mean_of(mine, "run", "cpu_busy_share")})
+            table += rows
+            growth[f"{tree}, poll {poll}"] = {k: slope([r["ranks"] for r in rows], [r["control"][k] for r in rows])
+                                              for k in keys}
 
-    print(f"\n{'ranks':>5}{'dil':>5}{'poll s':>7}{'runs':>5}{'proc cpu s':>11}{'ro thr s':>9}{'msgs':>7}{'us/msg':>7}"
+    print(f"\n{'tree':>22}{'ranks':>6}{'dil':>5}{'poll s':>7}{'runs':>5}{'proc cpu s':>11}{'ro thr s':>9}{'msgs':>7}{'us/msg':>7}"
           f"{'loops':>7}{'place p50':>10}{'p99 ms':>8}{'ers ms':>8}{'step s':>8}{'ro/step':>8}{'tok/s':>8}{'busy':>6}")
     for r in table:
         c = r["control"]
 
         def ms(v):
             return "-" if v is None else f"{v:.2f}"
-        print(f"{r['ranks']:>5}{r['dilation']:>5g}{r['control_poll_s']:>7g}{r['runs']:>5}{c['cpu_process_s']:>11.2f}"
+        print(f"{r['tree'][:22]:>22}{r['ranks']:>6}{r['dilation']:>5g}{r['control_poll_s']:>7g}{r['runs']:>5}{c['cpu_process_s']:>11.2f}"
               f"{c['cpu_rollout_thread_s']:>9.2f}{c['messages_per_step']:>7.0f}{c['rollout_thread_us_per_message']:>7.0f}"
               f"{c['loops']:>7.0f}{ms(c['placement_p50_ms']):>10}{ms(c['placement_p99_ms']):>8}"
               f"{ms(c['ers_plan_p50_ms']):>8}{c['modelled_step_s']:>8.1f}{c['rollout_thread_share_of_step']:>8.3f}"
               f"{r['goodput_tok_s']:>8.0f}{r['cpu_busy_share'] or 0:>6.2f}")
-    for poll, g in growth.items():
-        print(f"growth with ranks at poll {poll} s (log-log slope, 1 = linear):",
+    for name, g in growth.items():
+        print(f"growth with ranks ({name} s; log-log slope, 1 = linear):",
               {k: None if v is None else round(v, 2) for k, v in g.items()})
     bench_record.write(args.out, {**bench_record.header("control_plane", config=vars(args)),
                                   "growth_log_log_slope": growth, "goal": "growth at most linear; "

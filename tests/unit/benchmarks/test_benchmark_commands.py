@@ -21,6 +21,7 @@ from hydra.core.global_hydra import GlobalHydra
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "launch"))
 sys.path.insert(0, str(REPO / "benchmarks"))
+import emulated_runs  # noqa: E402
 import hydra_schema  # noqa: E402
 
 from tide_megatron.config import JobConfig, validate  # noqa: E402
@@ -32,6 +33,7 @@ class LaunchedJobs(list):
     def __init__(self):
         super().__init__()
         self.envs: list[dict[str, str]] = []
+        self.trees: list[Path] = []
 
 
 @pytest.fixture()
@@ -42,10 +44,12 @@ def launched(monkeypatch):
     real_run = subprocess.run
 
     def dry_run(cmd, **kwargs):
-        if len(cmd) < 2 or Path(cmd[1]) != REPO / "launch" / "torchrun.py":  # e.g. `platform`'s `uname -p`
+        if len(cmd) < 2 or Path(cmd[1]).parts[-2:] != ("launch", "torchrun.py"):  # e.g. `platform`'s `uname -p`
             return real_run(cmd, **kwargs)
+        tree = Path(cmd[1]).parent.parent  # this checkout, or a baseline's worktree
         assert cmd[2] == "--nproc-per-node"
-        assert Path(cmd[4]) == REPO / "launch" / "train.py"
+        assert Path(cmd[4]) == tree / "launch" / "train.py"
+        jobs.trees.append(tree)
         nproc, overrides = int(cmd[3]), cmd[5:]
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=hydra_schema.CONFIG_DIR, version_base="1.3"):
@@ -55,7 +59,11 @@ def launched(monkeypatch):
         jobs.envs.append(kwargs.get("env") or {})
         return subprocess.CompletedProcess(cmd, 1, "", "dry run")
 
+    def dry_job(cmd, timeout_s, env, cwd):  # emulated_runs.run_job: a launch in a session of its own
+        return dry_run(cmd, env=env).returncode, "dry run"
+
     monkeypatch.setattr(subprocess, "run", dry_run)
+    monkeypatch.setattr(emulated_runs, "run_job", dry_job)
     yield jobs
     GlobalHydra.instance().clear()
 
@@ -151,6 +159,19 @@ def test_engine_start_times_the_drill_job_with_forked_and_spawned_children(launc
     assert data["command"].startswith("python benchmarks/engine_start.py") and data["figures"]["engine_ready_s"]["mean"] == {}
     for runs in (data["job_runs"], data["rank_job_runs"]):
         assert len(runs) == 4 and all(r["failed"] and "dry run" in r["error"] for r in runs)
+
+
+def test_control_plane_alternates_this_checkout_with_a_baseline_commits(launched, monkeypatch, tmp_path):
+    out = tmp_path / "control_plane.json"
+    assert run_script("control_plane", monkeypatch, "--ranks", "8", "--dilations", "2", "--reps", "2",
+                      "--baseline", "HEAD", "--out", str(out)) == 1
+    assert [n for n, _ in launched] == [8] * 4
+    here = [tree == REPO for tree in launched.trees]
+    assert here == [True, False, False, True] and all((t / "launch" / "train.py").is_absolute() for t in launched.trees)
+    assert all(job.cluster.emulation.dilation == 2.0 for _, job in launched)
+    data = record(out, 4)
+    assert [r["tree"] for r in data["runs"]] == ["current", "baseline HEAD", "baseline HEAD", "current"]
+    assert not launched.trees[1].exists()  # the worktree is removed
 
 
 def test_rank_memory_alternates_forked_and_started_ranks(launched, monkeypatch, tmp_path):
