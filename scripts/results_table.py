@@ -295,13 +295,17 @@ def trainer_throughput(r: dict) -> str:
 
 
 def control_plane(r: dict) -> str:
-    # one row per checkout (a `--baseline` run has two), size and pass interval (scheduler.control_poll_s)
-    return "; ".join(("" if m.get("tree", "current") == "current" else f"{m['tree']}: ")
-                     + f"{m['ranks']} ranks, poll {m['control_poll_s']:g} s: rollout thread "
-                     f"{m['control']['cpu_rollout_thread_s']:.2f} CPU s/step, {m['control']['loops']:.0f} passes, "
-                     f"{m['control']['rollout_thread_share_of_step']:.1%} of the modelled step"
-                     + ("" if m.get("cpu_busy_share") is None else f", host busy {m['cpu_busy_share']:.2f}")
-                     for m in r["means"])
+    # one row per checkout (a `--baseline` run has two), size and pass interval (scheduler.control_poll_s);
+    # then each run that failed, with the first line of its error
+    rows = [("" if m.get("tree", "current") == "current" else f"{m['tree']}: ")
+            + f"{m['ranks']} ranks, poll {m['control_poll_s']:g} s: rollout thread "
+            f"{m['control']['cpu_rollout_thread_s']:.2f} CPU s/step, {m['control']['loops']:.0f} passes, "
+            f"{m['control']['rollout_thread_share_of_step']:.1%} of the modelled step"
+            + ("" if m.get("cpu_busy_share") is None else f", host busy {m['cpu_busy_share']:.2f}")
+            for m in r["means"]]
+    rows += [f"{run['ranks']} ranks failed ({(run.get('error') or 'no figures').splitlines()[0]})"
+             for run in r["runs"] if run.get("failed")]
+    return "; ".join(rows)
 
 
 def decision_latency(r: dict) -> str:

@@ -120,3 +120,14 @@ def test_the_table_is_rewritten_between_its_markers_and_the_rest_kept():
     assert results_table.render(no_git, out) == out
     with pytest.raises(SystemExit):
         results_table.render(no_git, "# no markers\n")
+
+
+def test_a_control_plane_record_names_the_sizes_that_failed_beside_the_figures_of_those_that_ran():
+    mean = {"ranks": 16, "control_poll_s": 0.02, "cpu_busy_share": 0.5,
+            "control": {"cpu_rollout_thread_s": 4.66, "loops": 4293, "rollout_thread_share_of_step": 0.158}}
+    runs = [{"ranks": 16, "failed": False}, {"ranks": 64, "failed": True, "error": "timed out after 2700 s\nrest"}]
+    row = results_table.control_plane({"means": [mean], "runs": runs})
+    assert row == ("16 ranks, poll 0.02 s: rollout thread 4.66 CPU s/step, 4293 passes, 15.8% of the modelled "
+                   "step, host busy 0.50; 64 ranks failed (timed out after 2700 s)")
+    assert results_table.control_plane({"means": [], "runs": [{"ranks": 64, "failed": True}]}) == \
+        "64 ranks failed (no figures)"
